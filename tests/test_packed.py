@@ -1,0 +1,173 @@
+"""Packed token stream: window layout, prepare_data.py round trip, load-time checks, document mask."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from dataset.lm_dataset import DataError
+from dataset.packed_dataset import (PackedPretrainDataset, document_causal_mask, dtype_for_vocab,
+                                    read_meta, write_meta)
+from scripts.prepare_data import prepare
+from tests import helpers_data
+
+PREPARE_SCRIPT = helpers_data.REPO_ROOT / "scripts" / "prepare_data.py"
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    return helpers_data.tokenizer_dir(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tok_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(tok_dir)
+
+
+def write_stream(path, tokens, vocab_size=400, num_docs=1):
+    """Write a hand-made token stream + sidecar, as prepare_data.py would."""
+    dtype = dtype_for_vocab(vocab_size)
+    np.asarray(tokens, dtype=dtype).tofile(path)
+    write_meta(path, vocab_size=vocab_size, num_tokens=len(tokens), num_docs=num_docs,
+               bos_token_id=1, eos_token_id=2, tokenizer="hand-made")
+    return path
+
+
+def test_windows_are_shifted_and_cover_the_stream(tmp_path):
+    stream = np.arange(3, 103) % 400  # 100 tokens
+    path = write_stream(tmp_path / "s.bin", stream)
+    T = 8
+    ds = PackedPretrainDataset(path, max_length=T)
+    assert ds.labels_are_shifted is True
+    assert len(ds) == (100 - 1) // T == 12
+    pieces = []
+    for i in range(len(ds)):
+        input_ids, labels = ds[i]
+        assert input_ids.shape == labels.shape == (T,) and input_ids.dtype == labels.dtype == torch.int64
+        assert torch.equal(input_ids[1:], labels[:-1])
+        assert (labels != -100).all()
+        assert labels.tolist() == stream[i * T + 1:(i + 1) * T + 1].tolist()
+        pieces.append(torch.cat([input_ids, labels[-1:]]) if i == 0 else labels)
+    # window 0 + every later window's targets = the stream prefix, each token a target exactly once
+    assert torch.cat(pieces).tolist() == stream[:len(ds) * T + 1].tolist()
+    with pytest.raises(IndexError):
+        ds[len(ds)]
+
+
+def test_prepare_then_load_agree(tmp_path, tok_dir, tokenizer):
+    texts = helpers_data.SAMPLE_TEXTS + ["", "short", None, "a final line"]
+    data = helpers_data.write_jsonl(tmp_path / "corpus.jsonl", texts)
+    out = tmp_path / "out" / "corpus.bin"
+    # two workers and tiny chunks, so results must be put back in order
+    stats = prepare(data, out, tok_dir, num_proc=2, chunk_lines=2)
+    docs = [t for t in texts if t is not None]
+    expected = []
+    for text in docs:
+        expected += [tokenizer.bos_token_id] + tokenizer(text, add_special_tokens=False).input_ids
+        expected += [tokenizer.eos_token_id]
+    meta = read_meta(out)
+    assert meta["num_docs"] == stats["docs"] == len(docs)
+    assert meta["num_tokens"] == stats["tokens"] == len(expected)
+    assert meta["vocab_size"] == len(tokenizer) and meta["dtype"] == "uint16"
+    assert np.fromfile(out, dtype=np.uint16).tolist() == expected
+    assert sorted(p.name for p in out.parent.iterdir()) == ["corpus.bin", "corpus.bin.json"]
+    ds = PackedPretrainDataset(out, max_length=4, vocab_size=len(tokenizer), tokenizer=tokenizer)
+    assert ds[0][0].tolist() == expected[:4] and ds[1][1].tolist() == expected[5:9]
+
+
+def test_vocab_mismatch(tmp_path, tokenizer):
+    n = len(tokenizer)
+    path = write_stream(tmp_path / "s.bin", np.arange(50), vocab_size=n + 100)
+    with pytest.raises(DataError) as info:
+        PackedPretrainDataset(path, max_length=8, tokenizer=tokenizer)
+    assert "s.bin" in str(info.value) and str(n + 100) in str(info.value) and str(n) in str(info.value)
+    with pytest.raises(DataError, match=rf"s\.bin: .*vocab_size {n + 100} .*vocab_size is {n}\b"):
+        PackedPretrainDataset(path, max_length=8, vocab_size=n)
+    PackedPretrainDataset(path, max_length=8, vocab_size=n + 100)  # a bigger model vocab is fine
+
+
+def test_truncated_bin(tmp_path):
+    path = write_stream(tmp_path / "s.bin", np.arange(50))
+    with open(path, "r+b") as f:
+        f.truncate(99 - 1)
+    with pytest.raises(DataError, match=r"s\.bin: size is 98 bytes .* 50 tokens .* truncated"):
+        PackedPretrainDataset(path, max_length=8)
+
+
+def test_missing_or_corrupt_sidecar(tmp_path):
+    path = write_stream(tmp_path / "s.bin", np.arange(50))
+    side = tmp_path / "s.bin.json"
+    side.write_text("{not json")
+    with pytest.raises(DataError, match=r"s\.bin\.json: corrupt metadata"):
+        read_meta(path)
+    side.unlink()
+    with pytest.raises(DataError, match=r"s\.bin\.json: not found .*prepare_data\.py"):
+        read_meta(path)
+    with pytest.raises(DataError, match=r"other\.bin: not found"):
+        read_meta(tmp_path / "other.bin")
+
+
+def test_too_short_for_one_window(tmp_path):
+    path = write_stream(tmp_path / "s.bin", np.arange(8))
+    with pytest.raises(DataError, match=r"s\.bin: has 8 tokens, fewer than .* 9"):
+        PackedPretrainDataset(path, max_length=8)
+
+
+def test_uint32_stream_for_big_vocab(tmp_path):
+    assert dtype_for_vocab(65536) == "uint16" and dtype_for_vocab(65537) == "uint32"
+    stream = np.arange(70000, 70040)
+    path = write_stream(tmp_path / "s.bin", stream, vocab_size=80000)
+    assert read_meta(path)["dtype"] == "uint32"
+    assert PackedPretrainDataset(path, max_length=8)[1][0].tolist() == stream[8:16].tolist()
+
+
+def test_skip_bad_lines_counts_them(tmp_path, tok_dir):
+    data = tmp_path / "corpus.jsonl"
+    data.write_text('{"text": "one"}\n[1]\n{"text": "two"}\n\n{"txt": "x"}\n{"text": "three"}\n')
+    stats = prepare(data, tmp_path / "c.bin", tok_dir, num_proc=1, skip_bad_lines=True, chunk_lines=2)
+    assert stats["docs"] == 3
+    assert stats["bad_lines"] == 2 and stats["first_bad_lines"] == [2, 5]
+    assert read_meta(tmp_path / "c.bin")["num_docs"] == 3
+
+
+def test_bad_line_without_flag_exits_2(tmp_path, tok_dir):
+    data = tmp_path / "corpus.jsonl"
+    data.write_text('{"text": "one"}\n{"text": "two"}\n{"text": oops}\n{"text": "four"}\n')
+    out = tmp_path / "c.bin"
+    result = subprocess.run([sys.executable, str(PREPARE_SCRIPT), "--data_path", str(data),
+                             "--out_path", str(out), "--tokenizer_path", str(tok_dir), "--num_proc", "2"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "corpus.jsonl:3: not valid JSON" in result.stderr
+    assert list(tmp_path.iterdir()) == [data]  # no half-written output or temp files
+
+
+def test_packed_through_dataloader_workers(tmp_path):
+    path = write_stream(tmp_path / "s.bin", np.arange(200) % 400)
+    ds = PackedPretrainDataset(path, max_length=16)
+    ds[0]  # open the memmap here; it must not be what the workers get
+    expected = torch.stack([ds[i][1] for i in range(len(ds))])
+    got = torch.cat([labels for _, labels in DataLoader(ds, batch_size=3, num_workers=2)])
+    assert torch.equal(got, expected)
+
+
+def test_document_causal_mask():
+    bos = 1
+    input_ids = torch.tensor([[5, 1, 7, 8, 1, 9],    # tail of a doc, then two docs
+                              [4, 4, 4, 4, 4, 4]])   # no BOS: one doc, plain causal
+    mask = document_causal_mask(input_ids, bos)
+    assert mask.shape == (2, 1, 6, 6) and mask.dtype == torch.bool
+    expected = torch.tensor([
+        [1, 0, 0, 0, 0, 0],
+        [0, 1, 0, 0, 0, 0],
+        [0, 1, 1, 0, 0, 0],
+        [0, 1, 1, 1, 0, 0],
+        [0, 0, 0, 0, 1, 0],
+        [0, 0, 0, 0, 1, 1],
+    ], dtype=torch.bool)
+    assert torch.equal(mask[0, 0], expected)
+    assert torch.equal(mask[1, 0], torch.ones(6, 6, dtype=torch.bool).tril())
