@@ -1,0 +1,66 @@
+"""Smoke tests for scripts/build_demo_corpus.py on a handful of modules."""
+import json
+from pathlib import Path
+
+from scripts.build_demo_corpus import build_demo_corpus, clean_doc, ensure_demo_corpus, main
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MODULES = ["json", "textwrap", "heapq"]
+
+
+def read_texts(path):
+    texts = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        record = json.loads(line)
+        assert set(record) == {"text"}
+        texts.append(record["text"])
+    return texts
+
+
+def test_build_small_corpus_is_valid_and_deterministic(tmp_path):
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    summary = build_demo_corpus(first, modules=MODULES, jobs=2, progress=False)
+    build_demo_corpus(second, modules=MODULES, jobs=1, progress=False)
+
+    texts = read_texts(first)
+    assert summary["documents"] == len(texts) > 10
+    assert summary["bytes"] == first.stat().st_size
+    assert summary["skipped"] == []
+    assert all(isinstance(t, str) and len(t) >= 200 for t in texts)
+    assert len(set(texts)) == len(texts)
+    assert first.read_bytes() == second.read_bytes()
+    assert not list(tmp_path.glob("*.tmp"))  # the temp file was renamed away
+
+
+def test_missing_or_broken_module_is_skipped(tmp_path):
+    out = tmp_path / "c.jsonl"
+    # msvcrt exists in the stdlib list but cannot be imported on Linux.
+    modules = ["no_such_module_xyz", "json", "msvcrt"]
+    summary = build_demo_corpus(out, modules=modules, progress=False, timeout=20)
+    assert summary["skipped"] == ["no_such_module_xyz", "msvcrt"]
+    assert summary["documents"] == len(read_texts(out)) > 0
+
+
+def test_cli_with_modules_flag(tmp_path, capsys):
+    out = tmp_path / "cli.jsonl"
+    main(["--modules", "textwrap", "--out", str(out), "--jobs", "1"])
+    assert "documents" in capsys.readouterr().out
+    assert len(read_texts(out)) > 0
+
+
+def test_ensure_demo_corpus_keeps_existing_file(tmp_path):
+    path = tmp_path / "existing.jsonl"
+    path.write_text('{"text": "already here"}\n', encoding="utf-8")
+    assert ensure_demo_corpus(path) == path
+    assert path.read_text(encoding="utf-8") == '{"text": "already here"}\n'
+
+
+def test_clean_doc_keeps_paragraphs_and_indentation():
+    doc = "Summary line.\n\n    Body text   \n        indented code\n\n\n\n    Last paragraph.\n    "
+    assert clean_doc(doc) == "Summary line.\n\nBody text\n    indented code\n\nLast paragraph."
+
+
+def test_import_that_times_out_is_skipped(tmp_path):
+    # No child can start and import json within a millisecond.
+    summary = build_demo_corpus(tmp_path / "t.jsonl", modules=["json"], timeout=0.001, progress=False)
+    assert summary["skipped"] == ["json"] and summary["documents"] == 0
