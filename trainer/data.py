@@ -1,0 +1,94 @@
+"""Datasets, the resumable sampler and the loaders of train_pretrain.py.
+
+Why every run -- one process or many -- goes through a DistributedSampler: rank r
+of W reads positions r, r+W, r+2W, ... of one shared per-epoch permutation, and a
+micro-batch takes b consecutive positions of a rank's share. An optimizer step of
+A micro-batches therefore covers exactly the global positions [k*G, (k+1)*G) with
+G = b*W*A, whatever W is. That makes resuming on another world size a matter of
+skipping k*G positions, and with a fixed G the sample order is topology-invariant.
+"""
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
+
+from dataset.lm_dataset import PretrainDataset
+from dataset.packed_dataset import PackedPretrainDataset
+from trainer.trainer_utils import UserError
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """A DistributedSampler that can start part-way into its epoch."""
+
+    def __init__(self, dataset, num_replicas: int, rank: int, seed: int):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
+        self.start = 0
+
+    def set_start(self, start: int):
+        self.start = start
+
+    def __iter__(self):
+        return iter(list(super().__iter__())[self.start:])
+
+    def __len__(self):
+        return self.num_samples - self.start
+
+
+@dataclass
+class TrainData:
+    train: Dataset
+    val: Dataset | None
+    labels_are_shifted: bool  # packed windows come with next-token targets already
+
+
+def open_dataset(path: str, flag: str, tokenizer, max_seq_len: int, vocab_size: int):
+    suffix = Path(path).suffix
+    if suffix == ".bin":
+        return PackedPretrainDataset(path, max_seq_len, vocab_size=vocab_size, tokenizer=tokenizer)
+    if suffix in (".jsonl", ".json"):
+        return PretrainDataset(path, tokenizer, max_seq_len)
+    raise UserError(f"{flag} {path}: expected a .jsonl file or a .bin file made by scripts/prepare_data.py")
+
+
+def build_data(args, tokenizer, vocab_size: int) -> TrainData:
+    full = open_dataset(args.data_path, "--data_path", tokenizer, args.max_seq_len, vocab_size)
+    shifted = bool(getattr(full, "labels_are_shifted", False))
+    if args.val_data_path:
+        val = open_dataset(args.val_data_path, "--val_data_path", tokenizer, args.max_seq_len, vocab_size)
+        if bool(getattr(val, "labels_are_shifted", False)) != shifted:
+            raise UserError("--val_data_path must be the same kind (.jsonl or .bin) as --data_path")
+        return TrainData(full, val, shifted)
+    n_val = int(len(full) * args.val_fraction)
+    if n_val == 0:
+        return TrainData(full, None, shifted)
+    # The tail is held out, so the split is the same on every rank and every run.
+    n_train = len(full) - n_val
+    return TrainData(Subset(full, range(n_train)), Subset(full, range(n_train, len(full))), shifted)
+
+
+def make_train_loader(dataset, sampler, args, pin_memory: bool) -> DataLoader:
+    return DataLoader(
+        dataset,
+        batch_size=args.batch_size,
+        sampler=sampler,
+        num_workers=args.num_workers,
+        pin_memory=pin_memory,
+        persistent_workers=args.num_workers > 0,
+        drop_last=False,
+    )
+
+
+def make_val_loader(val_set, args, rank: int, world_size: int, pin_memory: bool) -> DataLoader:
+    """A fixed slice of the validation set, strided over ranks without padding, so
+    no sample is counted twice (a rank may get none; it still joins the all-reduce)."""
+    n = min(len(val_set), args.eval_batches * args.batch_size * world_size)
+    return DataLoader(Subset(val_set, range(rank, n, world_size)), batch_size=args.batch_size,
+                      num_workers=0, pin_memory=pin_memory)
+
+
+def to_targets(labels: torch.Tensor, labels_are_shifted: bool) -> torch.Tensor:
+    """Next-token targets aligned with the inputs (-100 where nothing is predicted)."""
+    if labels_are_shifted:
+        return labels
+    return torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)

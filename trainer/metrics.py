@@ -1,0 +1,112 @@
+"""What rank 0 reports: a log line, a JSONL metrics file, a progress bar, wandb.
+
+MFU (model FLOPs utilisation) uses the usual estimate of training FLOPs per token:
+
+    6 * N  +  12 * L * H * Q * T
+
+N: parameters touched per token (the active ones for MoE; the tied embedding counts
+once, as the lm_head matmul), L layers, H heads of size Q, T the sequence length.
+The first term is the forward (2N) and backward (4N) matmuls, the second the
+attention scores and weighted sums. MFU = FLOPs/token * tokens/s / device peak.
+"""
+import json
+import os
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+# Dense bf16 tensor-core peaks in TFLOPS, by a substring of torch.cuda.get_device_name().
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0,
+                    "L40": 181.0, "A10": 125.0, "L4": 121.0, "4090": 165.0, "3090": 71.0, "V100": 125.0}
+
+
+def flops_per_token(config, active_params: int, seq_len: int) -> float:
+    attention = 12 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * seq_len
+    return 6 * active_params + attention
+
+
+def device_peak_flops(device: str, override_tflops: float = 0) -> float | None:
+    if override_tflops:
+        return override_tflops * 1e12
+    if not device.startswith("cuda"):
+        return None
+    name = torch.cuda.get_device_name(torch.device(device))
+    for key, tflops in PEAK_BF16_TFLOPS.items():
+        if key in name:
+            return tflops * 1e12
+    return None
+
+
+class RunLogger:
+    """No-op on ranks other than 0, so the loop can call it unconditionally."""
+
+    def __init__(self, args, prefix: str, enabled: bool, start_step: int, total_steps: int,
+                 wandb_run_id: str | None = None):
+        self.enabled = enabled
+        self.total_steps = total_steps
+        self.start_step = start_step
+        self.start_time = time.time()
+        self.wandb = None
+        self.wandb_run_id = wandb_run_id
+        if not enabled:
+            return
+        os.makedirs(args.save_dir, exist_ok=True)
+        self.path = os.path.join(args.save_dir, f"{prefix}_metrics.jsonl")
+        self._truncate_after(start_step if args.from_resume else -1)
+        self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True,
+                        disable=not sys.stderr.isatty())
+        if args.use_wandb:
+            self._start_wandb(args, prefix)
+
+    def _truncate_after(self, step: int):
+        """Drop rows a resumed run will redo (all rows for a fresh run)."""
+        if step < 0 or not os.path.exists(self.path):
+            open(self.path, "w").close()
+            return
+        with open(self.path) as f:
+            kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+        with open(self.path, "w") as f:
+            f.writelines(kept)
+
+    def _start_wandb(self, args, prefix):
+        import wandb
+
+        if not os.environ.get("WANDB_API_KEY") and os.environ.get("WANDB_MODE") != "online":
+            # No key (or no network to check one): log locally; `wandb sync` uploads later.
+            os.environ.setdefault("WANDB_MODE", "offline")
+        mode = os.environ.get("WANDB_MODE", "online")
+        self.wandb = wandb.init(project=args.wandb_project, name=prefix, id=self.wandb_run_id, resume="allow",
+                                dir=args.save_dir, config=vars(args))
+        self.wandb_run_id = self.wandb.id
+        print(f"wandb: run {self.wandb.id} ({mode})" + (", sync later with `wandb sync`" if mode == "offline" else ""),
+              flush=True)
+
+    def step_done(self):
+        if self.enabled:
+            self.bar.update(1)
+
+    def log(self, row: dict, line: str):
+        if not self.enabled:
+            return
+        (self.bar.write if not self.bar.disable else print)(line)
+        sys.stdout.flush()
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=row["step"])
+
+    def eta(self, step: int) -> str:
+        done = step - self.start_step
+        if done <= 0:
+            return "?"
+        seconds = (time.time() - self.start_time) / done * (self.total_steps - step)
+        return time.strftime("%H:%M:%S", time.gmtime(seconds)) if seconds < 86400 else f"{seconds / 86400:.1f}d"
+
+    def close(self):
+        if not self.enabled:
+            return
+        self.bar.close()
+        if self.wandb is not None:
+            self.wandb.finish()

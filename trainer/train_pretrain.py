@@ -1,0 +1,310 @@
+"""Pre-train MiniMind. One script for every launch:
+
+    python trainer/train_pretrain.py                          # one process, CPU or GPU
+    torchrun --nproc_per_node=N trainer/train_pretrain.py     # N processes, DDP
+    torchrun --nnodes=2 --node_rank=R --master_addr=A --master_port=P --nproc_per_node=N trainer/train_pretrain.py
+    python -m torch.distributed.launch --nproc_per_node=N trainer/train_pretrain.py   # legacy launcher
+
+Read it top to bottom: main() sets up (sections 1-5), then trains (section 6).
+"""
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+from dataset.lm_dataset import DataError  # noqa: E402
+from dataset.packed_dataset import document_causal_mask  # noqa: E402
+from model.model_minimind import count_parameters  # noqa: E402
+from trainer.args import DEMO_CORPUS, check_args, parse_args, resolve_dtype  # noqa: E402
+from trainer.checkpoint import (  # noqa: E402
+    atomic_torch_save, load_latest_checkpoint, restore_rng_state, run_prefix, save_checkpoint,
+)
+from trainer.data import ResumableDistributedSampler, build_data, make_train_loader, make_val_loader, to_targets  # noqa: E402
+from trainer.metrics import RunLogger, device_peak_flops, flops_per_token  # noqa: E402
+from trainer.parallel import wrap_model  # noqa: E402
+from trainer.resilience import PreemptionFlag, inject_crash, inject_nan  # noqa: E402
+from trainer.trainer_utils import (  # noqa: E402
+    Logger, UserError, all_reduce_sum, barrier, cleanup_distributed, fail, get_lr, init_distributed_mode,
+    init_model, is_main_process, model_config_from_args, setup_seed,
+)
+
+
+def load_tokenizer(path):
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        raise UserError(f"--tokenizer_path {path}: no tokenizer.json there; train one with trainer/train_tokenizer.py")
+    return AutoTokenizer.from_pretrained(path)
+
+
+def ensure_data(args):
+    """The default corpus is built on first use, by rank 0 while the others wait."""
+    if Path(args.data_path) == DEMO_CORPUS and not DEMO_CORPUS.exists():
+        if is_main_process():
+            from scripts.build_demo_corpus import ensure_demo_corpus
+
+            Logger(f"building the demo corpus {DEMO_CORPUS} (first run only)")
+            ensure_demo_corpus(DEMO_CORPUS)
+        barrier()
+
+
+def save_weights(model, args, prefix):
+    """The seed's inference format: a half-precision state_dict, written atomically by rank 0."""
+    if is_main_process():
+        os.makedirs(args.save_dir, exist_ok=True)
+        path = os.path.join(args.save_dir, f"{prefix}.pth")
+        atomic_torch_save({k: v.detach().half().cpu() for k, v in model.state_dict().items()}, path)
+
+
+def assert_finite_weights(model):
+    # A checkpoint of NaNs would overwrite a good one in the rotation: refuse to write it.
+    if not all(torch.isfinite(p).all() for p in model.parameters()):
+        raise RuntimeError("model weights are not finite; refusing to save a checkpoint")
+
+
+@torch.no_grad()
+def evaluate(net, val_loader, ctx, device, shifted) -> float:
+    """Mean token loss over the fixed validation slice, summed over all ranks."""
+    net.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    for x, y in val_loader:
+        x, targets = x.to(device), to_targets(y, shifted).to(device)
+        with ctx:
+            out = net(x, shift_labels=targets, num_items_in_batch=1)  # a sum, not a mean
+        totals += torch.stack([out.loss.double(), (targets != -100).sum().double()])
+    net.train()
+    all_reduce_sum(totals)
+    return (totals[0] / totals[1].clamp(min=1)).item()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    env = init_distributed_mode(args.device, args.local_rank, args.dist_timeout)
+    try:
+        exit_code = train(args, env)
+    except (UserError, DataError) as exc:
+        fail(str(exc))
+    except BaseException:
+        cleanup_distributed(clean=False)
+        raise
+    cleanup_distributed(clean=True)
+    sys.exit(exit_code)
+
+
+def train(args, env) -> int:
+    # ------------------------------------------------------------------ 1. settings
+    check_args(args, torch.cuda.is_available())
+    dtype = resolve_dtype(args, env.device)
+    device_type = "cuda" if env.device.startswith("cuda") else "cpu"
+    autocast = nullcontext() if dtype == torch.float32 else torch.autocast(device_type, dtype=dtype)
+    setup_seed(args.seed + env.rank)
+    world_size, rank = env.world_size, env.rank
+
+    # ------------------------------------------------------------------ 2. tokenizer, model config, data
+    tokenizer = load_tokenizer(args.tokenizer_path)
+    config = model_config_from_args(args, args.vocab_size)
+    if len(tokenizer) > config.vocab_size:
+        raise UserError(f"--tokenizer_path {args.tokenizer_path} has {len(tokenizer)} tokens but the model's "
+                        f"--vocab_size is {config.vocab_size}; pass --vocab_size {len(tokenizer)} or a smaller tokenizer")
+    if args.max_seq_len > config.max_position_embeddings:
+        raise UserError(f"--max_seq_len {args.max_seq_len} exceeds the model's max_position_embeddings "
+                        f"{config.max_position_embeddings}")
+    ensure_data(args)
+    data = build_data(args, tokenizer, config.vocab_size)
+
+    if args.global_batch_size:
+        per_micro_step = args.batch_size * world_size
+        if args.global_batch_size % per_micro_step:
+            raise UserError(f"--global_batch_size {args.global_batch_size} is not a multiple of --batch_size "
+                            f"{args.batch_size} x {world_size} processes = {per_micro_step}")
+        args.accumulation_steps = args.global_batch_size // per_micro_step
+    accum = args.accumulation_steps
+    samples_per_step = args.batch_size * world_size * accum
+    steps_per_epoch = len(data.train) // samples_per_step
+    if steps_per_epoch == 0:
+        raise UserError(f"--data_path {args.data_path}: {len(data.train)} training samples, fewer than one global "
+                        f"batch of {samples_per_step} (--batch_size {args.batch_size} x {world_size} processes x "
+                        f"{accum} accumulation steps); lower --batch_size or add data")
+    total_steps = args.max_steps or args.epochs * steps_per_epoch
+
+    # ------------------------------------------------------------------ 3. model, optimizer, scaler
+    model = init_model(config, args.from_weight, env.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=(0.9, 0.95),
+                                  weight_decay=args.weight_decay, fused=device_type == "cuda")
+    scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
+
+    # ------------------------------------------------------------------ 4. resume
+    prefix = run_prefix(args.save_weight, args.hidden_size, bool(args.use_moe))
+    start_step, tokens_seen, wandb_id = 0, 0, None
+    state = load_latest_checkpoint(args.checkpoint_dir, prefix, config.to_dict()) if args.from_resume else None
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scaler.load_state_dict(state["scaler"])
+        # Samples already consumed in the saved epoch, re-expressed in this run's step size.
+        step_in_epoch = state["step_in_epoch"] * state["samples_per_step"] // samples_per_step
+        start_step = min(state["epoch"] * steps_per_epoch + step_in_epoch, total_steps)
+        tokens_seen, wandb_id = state["tokens_seen"], state.get("wandb_run_id")
+        if state["world_size"] == world_size:
+            restore_rng_state(state["rng"][rank])
+        if state["samples_per_step"] != samples_per_step:
+            Logger(f"resume: world size {state['world_size']} -> {world_size}, step {state['step_in_epoch']} -> "
+                   f"{step_in_epoch} of epoch {state['epoch']} (step * {state['samples_per_step']} samples "
+                   f"// {samples_per_step} samples per step)")
+        Logger(f"resumed from {state['path']} at step {start_step}/{total_steps}")
+        del state
+
+    # ------------------------------------------------------------------ 5. parallelism, loaders, logging
+    net = wrap_model(model, args, env)
+    pin = device_type == "cuda"
+    sampler = ResumableDistributedSampler(data.train, world_size, rank, seed=args.seed)
+    loader = make_train_loader(data.train, sampler, args, pin)
+    val_loader = make_val_loader(data.val, args, rank, world_size, pin) if data.val is not None else None
+    log = RunLogger(args, prefix, is_main_process(), start_step, total_steps, wandb_id)
+    preempt = PreemptionFlag()
+    preempt.install()
+    tokens_per_step = samples_per_step * args.max_seq_len
+    peak = device_peak_flops(env.device, args.peak_tflops)
+    flops_token = flops_per_token(config, count_parameters(model)[1], args.max_seq_len)
+    Logger(f"world_size={world_size} micro_batch={args.batch_size} accumulation={accum} "
+           f"global_batch={samples_per_step} steps/epoch={steps_per_epoch} total_steps={total_steps} "
+           f"dtype={args.dtype} device={env.device}")
+
+    def checkpoint(step):
+        assert_finite_weights(model)
+        save_weights(model, args, prefix)
+        epoch, step_in_epoch = divmod(step, steps_per_epoch)
+        save_checkpoint({
+            "model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
+            "global_step": step, "epoch": epoch, "step_in_epoch": step_in_epoch,
+            "samples_per_step": samples_per_step, "world_size": world_size, "tokens_seen": tokens_seen,
+            "wandb_run_id": log.wandb_run_id, "model_config": config.to_dict(),
+        }, args.checkpoint_dir, prefix, args.keep_last)
+
+    # ------------------------------------------------------------------ 6. train
+    global_step, bad_steps, last_saved = start_step, 0, -1
+    window_start, window_steps, window_tokens = time.time(), 0, 0.0
+    while global_step < total_steps:
+        epoch, step_in_epoch = divmod(global_step, steps_per_epoch)
+        sampler.set_epoch(epoch)
+        sampler.set_start(step_in_epoch * args.batch_size * accum)
+        batches = iter(loader)
+        for _ in range(step_in_epoch, steps_per_epoch):
+            if global_step >= total_steps:
+                break
+            inject_crash(global_step, rank)
+            lr = get_lr(global_step, total_steps, args.learning_rate, args.warmup_steps)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            micro_batches = [next(batches) for _ in range(accum)]
+            loss, aux, valid_tokens, stop, skipped = optimizer_step(
+                net, optimizer, scaler, micro_batches, args, env, data.labels_are_shifted, autocast,
+                poison=inject_nan(global_step, rank), preempt_requested=preempt.requested,
+                bos_id=tokenizer.bos_token_id,
+            )
+            global_step += 1
+            tokens_seen += int(valid_tokens)
+            window_steps, window_tokens = window_steps + 1, window_tokens + valid_tokens
+            log.step_done()
+            if skipped:
+                bad_steps += 1
+                Logger(f"step {global_step}: non-finite loss or gradient norm on some rank; update skipped "
+                       f"({bad_steps}/{args.max_bad_steps} in a row)")
+                if bad_steps >= args.max_bad_steps:
+                    raise UserError(f"{bad_steps} consecutive non-finite steps (--max_bad_steps {args.max_bad_steps}); "
+                                    f"lower --learning_rate or check the data; the last good checkpoint is kept")
+            else:
+                bad_steps = 0
+
+            if global_step % args.log_interval == 0 or global_step == total_steps:
+                elapsed = time.time() - window_start
+                tok_s, real_tok_s = window_steps * tokens_per_step / elapsed, window_tokens / elapsed
+                row = {"kind": "train", "step": global_step, "epoch": epoch, "tokens_seen": tokens_seen,
+                       "loss": loss, "aux_loss": aux, "lr": lr, "tokens_per_s": tok_s, "nonpad_tokens_per_s": real_tok_s}
+                mfu = ""
+                if peak:
+                    row["mfu"] = flops_token * tok_s / world_size / peak
+                    mfu = f" mfu {row['mfu']:.1%}"
+                log.log(row, f"epoch {epoch + 1}/{math.ceil(total_steps / steps_per_epoch)} step {global_step}/{total_steps} "
+                             f"loss {loss:.4f} aux {aux:.4f} lr {lr:.2e} tok/s {tok_s:,.0f} (non-pad {real_tok_s:,.0f})"
+                             f"{mfu} eta {log.eta(global_step)}")
+                window_start, window_steps, window_tokens = time.time(), 0, 0.0
+
+            if val_loader is not None and (global_step == total_steps or
+                                           (args.eval_interval and global_step % args.eval_interval == 0)):
+                val_loss = evaluate(net, val_loader, autocast, env.device, data.labels_are_shifted)
+                log.log({"kind": "val", "step": global_step, "tokens_seen": tokens_seen, "val_loss": val_loss},
+                        f"step {global_step}: val_loss {val_loss:.4f} (ppl {math.exp(min(val_loss, 50)):.2f})")
+
+            if global_step % args.save_interval == 0 or global_step == total_steps or stop:
+                checkpoint(global_step)
+                last_saved = global_step
+            if stop:
+                Logger(f"preempted: saved step {global_step} to {args.checkpoint_dir}; "
+                       f"resume with --from_resume 1")
+                log.close()
+                return 128 + (preempt.signum or 15)
+    if last_saved != global_step:
+        checkpoint(global_step)  # e.g. a resume that found the run already complete
+    log.close()
+    Logger(f"done: {global_step} steps, {tokens_seen:,} tokens; weights in {args.save_dir}/{prefix}.pth")
+    return 0
+
+
+def optimizer_step(net, optimizer, scaler, micro_batches, args, env, shifted, autocast, poison,
+                   preempt_requested, bos_id):
+    """Forward/backward over the micro-batches and one optimizer update.
+
+    Every token of the global batch weighs the same: each micro-batch's summed loss
+    is divided by the batch's token count over all ranks (DDP then averages the
+    ranks' gradients, hence the world_size factor). With padding, the per-micro-batch
+    mean of the seed would weigh short documents more, and differently per world size.
+    Returns (mean loss, aux loss, tokens, stop requested, update skipped), agreed by all ranks.
+    """
+    device, accum = env.device, len(micro_batches)
+    batches = [(x.to(device, non_blocking=True), to_targets(y, shifted).to(device, non_blocking=True))
+               for x, y in micro_batches]
+    tokens = all_reduce_sum(sum((t != -100).sum() for _, t in batches).double())
+    per_rank_tokens = (tokens / env.world_size).float()
+    loss_sum = torch.zeros((), device=device)
+    aux_sum = torch.zeros((), device=device)
+    for i, (x, targets) in enumerate(batches):
+        # Only the last micro-batch all-reduces gradients; the others accumulate locally.
+        sync = nullcontext() if i == accum - 1 or not hasattr(net, "no_sync") else net.no_sync()
+        with sync:
+            with autocast:
+                mask = document_causal_mask(x, bos_id) if args.doc_mask else None
+                out = net(x, attention_mask=mask, shift_labels=targets, num_items_in_batch=per_rank_tokens)
+                loss = out.loss + out.aux_loss / accum
+                if poison:
+                    loss = loss * float("nan")
+            scaler.scale(loss).backward()
+        loss_sum += out.loss.detach().float() * per_rank_tokens
+        aux_sum += out.aux_loss.detach().float() / accum
+
+    scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(net.parameters(), args.grad_clip if args.grad_clip > 0 else math.inf)
+    # One collective carries every per-step agreement: loss for logging, a non-finite
+    # loss on any rank, and a preemption request seen by any rank.
+    flags = torch.stack([loss_sum, aux_sum, (~torch.isfinite(loss_sum)).float(),
+                         torch.tensor(float(preempt_requested), device=device)])
+    all_reduce_sum(flags)
+    bad_loss = flags[2] > 0
+    # Under fp16 the GradScaler owns inf gradients: it skips the step and lowers its scale.
+    bad_grad = not scaler.is_enabled() and not torch.isfinite(grad_norm)
+    skipped = bool(bad_loss or bad_grad)
+    if not skipped:
+        scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    mean_loss = (flags[0] / tokens).item()
+    return mean_loss, (flags[1] / env.world_size).item(), tokens.item(), bool(flags[3] > 0), skipped
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""Shared helpers of the training scripts: distributed setup, logging, LR schedule,
+seeding and model construction. Checkpointing lives in trainer/checkpoint.py and
+is re-exported here as `lm_checkpoint` for MiniMind users who look for it here."""
+import gc
+import math
+import os
+import random
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM, count_parameters
+
+
+class UserError(Exception):
+    """Bad flags or files: printed as one line by the script, which then exits with code 2."""
+
+
+# ---------------------------------------------------------------------------- distributed
+@dataclass
+class DistEnv:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: str = "cpu"
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1 or dist.is_initialized()
+
+
+def init_distributed_mode(device_flag: str | None = None, local_rank_flag: int | None = None,
+                          timeout_s: float = 1800) -> DistEnv:
+    """Join the process group if a launcher started us, and pick this rank's device.
+
+    torchrun and `torch.distributed.launch` both export RANK/WORLD_SIZE; LOCAL_RANK
+    is in the environment under torchrun, and only on the command line
+    (`--local-rank=N`) under the legacy launcher, so the environment wins.
+    """
+    has_cuda = torch.cuda.is_available()
+    if "RANK" not in os.environ:
+        device = device_flag or ("cuda:0" if has_cuda else "cpu")
+        return DistEnv(device=device)
+    local_rank = int(os.environ.get("LOCAL_RANK", local_rank_flag or 0))
+    wants_cpu = device_flag is not None and device_flag.startswith("cpu")
+    use_cuda = has_cuda and not wants_cpu
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    return DistEnv(
+        rank=dist.get_rank(),
+        local_rank=local_rank,
+        world_size=dist.get_world_size(),
+        device=f"cuda:{local_rank}" if use_cuda else "cpu",
+    )
+
+
+def is_main_process() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def broadcast_from_main(obj):
+    """Rank 0's value of `obj` on every rank, so all ranks take the same decision."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def cleanup_distributed(clean: bool = True):
+    """Leave the process group without tripping gloo at exit.
+
+    gloo can abort the process (SIGABRT, "terminate called without an active
+    exception") when a DDP model is still alive at destroy time, so the caller drops
+    its references first; we collect them and let every rank arrive before tearing
+    down. After a failure a peer may be gone, so no barrier then.
+    """
+    if not dist.is_initialized():
+        return
+    gc.collect()
+    if clean:
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def Logger(*content, **kwargs):
+    """print() on rank 0 only."""
+    if is_main_process():
+        print(*content, **kwargs, flush=True)
+
+
+def fail(message: str, code: int = 2):
+    """Report a user error in one line (rank 0 only) and exit non-zero on every rank."""
+    if is_main_process():
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    cleanup_distributed(clean=False)
+    sys.exit(code)
+
+
+# ---------------------------------------------------------------------------- schedule, seeds
+def get_lr(step: int, total_steps: int, lr: float, warmup_steps: int = 0, min_lr_ratio: float = 0.1) -> float:
+    """Linear warmup to `lr`, then cosine decay to `min_lr_ratio * lr` at `total_steps`."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def setup_seed(seed: int):
+    """Seed every generator we use. Callers pass `base_seed + rank`, so ranks differ
+    (dropout masks are then independent across data-parallel replicas)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
+# ---------------------------------------------------------------------------- model
+def model_config_from_args(args, vocab_size: int) -> MiniMindConfig:
+    return MiniMindConfig(
+        hidden_size=args.hidden_size,
+        num_hidden_layers=args.num_hidden_layers,
+        vocab_size=vocab_size,
+        use_moe=bool(args.use_moe),
+        flash_attn=True,
+    )
+
+
+def init_model(config: MiniMindConfig, from_weight: str | None = None, device="cpu") -> MiniMindForCausalLM:
+    """Build the model in fp32, optionally load `--from_weight`, and print its size."""
+    model = MiniMindForCausalLM(config)
+    if from_weight:
+        load_weights_into(model, from_weight)
+        Logger(f"loaded weights from {from_weight}")
+    total, active = count_parameters(model)
+    if config.use_moe:
+        Logger(f"model: {total / 1e6:.2f}M parameters, {active / 1e6:.2f}M active per token")
+    else:
+        Logger(f"model: {total / 1e6:.2f}M parameters")
+    return model.to(device)
+
+
+def load_weights_into(model: torch.nn.Module, path: str):
+    """Load a seed-format `.pth` (half-precision state_dict) or a resume checkpoint."""
+    if not os.path.isfile(path):
+        raise UserError(f"--from_weight {path} not found")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # a corrupt file should name itself, not show pickle internals
+        raise UserError(f"--from_weight {path} is not a readable weight file ({type(exc).__name__})") from None
+    if isinstance(state, dict) and "model" in state and "model_config" in state:
+        state = state["model"]
+    own = model.state_dict()
+    for name, tensor in state.items():
+        if name in own and own[name].shape != tensor.shape:
+            raise UserError(
+                f"--from_weight {path}: {name} has shape {tuple(tensor.shape)} but the model built from the flags "
+                f"expects {tuple(own[name].shape)}; pass the --hidden_size/--num_hidden_layers/--use_moe it was trained with"
+            )
+    missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    missing = [k for k in missing if k != "lm_head.weight"]  # tied to the embedding
+    if missing or unexpected:
+        raise UserError(f"--from_weight {path} does not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+
+
+# MiniMind keeps lm_checkpoint here; ours lives with the rest of checkpointing. Imported
+# last because trainer.checkpoint itself imports the helpers above.
+from trainer.checkpoint import lm_checkpoint  # noqa: E402,F401
