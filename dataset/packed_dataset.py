@@ -75,7 +75,8 @@ def read_meta(bin_path):
         raise DataError(f"{side}: corrupt metadata, missing {', '.join(missing)}; {RERUN}")
     not_ints = [k for k in META_KEYS[2:7] if not isinstance(meta[k], int) or meta[k] < 0]
     if not_ints:
-        raise DataError(f"{side}: corrupt metadata, {', '.join(not_ints)} not a non-negative integer; {RERUN}")
+        raise DataError(f"{side}: corrupt metadata, {', '.join(not_ints)} not a non-negative "
+                        f"integer; {RERUN}")
     if meta["dtype"] not in DTYPES:
         raise DataError(f"{side}: unknown dtype {meta['dtype']!r}, expected uint16 or uint32; {RERUN}")
     itemsize = np.dtype(DTYPES[meta["dtype"]]).itemsize

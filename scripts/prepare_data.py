@@ -83,7 +83,8 @@ def encode_all(data_path, chunk_lines, num_proc, init_args):
         init_worker(*init_args)
         yield from map(encode_chunk, chunks)
         return
-    # imap reads ahead only as far as the pipe to the workers holds, so input stays bounded
+    # imap's feeder thread blocks once the pipe to the workers is full, so read-ahead stays
+    # bounded and results come back in file order.
     with Pool(num_proc, initializer=init_worker, initargs=init_args) as pool:
         yield from pool.imap(encode_chunk, chunks)
 
@@ -118,7 +119,8 @@ def prepare(data_path, out_path, tokenizer_path=None, num_proc=None, skip_bad_li
             counts = write_stream(out, data_path, chunk_lines, num_proc, skip_bad_lines,
                                   (tokenizer_path, data_path, dtype))
         if counts["docs"] == 0:
-            raise DataError(f"{data_path}: all {counts['bad_lines']} non-blank lines are bad; nothing to write")
+            raise DataError(f"{data_path}: all {counts['bad_lines']} non-blank lines are bad, nothing "
+                            f"to write; the first: {counts['first_bad_message']}")
         meta = write_meta(tmp_path, vocab_size=vocab_size, num_tokens=counts["tokens"],
                           num_docs=counts["docs"], bos_token_id=tokenizer.bos_token_id,
                           eos_token_id=tokenizer.eos_token_id, tokenizer=tokenizer_path, dtype=dtype)
@@ -152,7 +154,8 @@ def write_stream(out, data_path, chunk_lines, num_proc, skip_bad_lines, init_arg
             bar.update(end_offset - done)
             done = end_offset
     return dict(docs=docs, tokens=tokens, bad_lines=bad_lines,
-                first_bad_lines=[n for n, _ in first_bad], first_bad_message=first_bad[0][1] if first_bad else None)
+                first_bad_lines=[n for n, _ in first_bad],
+                first_bad_message=first_bad[0][1] if first_bad else None)
 
 
 def main():
@@ -161,7 +164,8 @@ def main():
     parser.add_argument("--out_path", required=True, help="output .bin (a .bin.json sidecar goes next to it)")
     parser.add_argument("--tokenizer_path", default=str(REPO_ROOT / "model"))
     parser.add_argument("--num_proc", type=int, default=os.cpu_count())
-    parser.add_argument("--skip_bad_lines", action="store_true", help="count and skip bad lines instead of stopping")
+    parser.add_argument("--skip_bad_lines", action="store_true",
+                        help="count and skip bad lines instead of stopping at the first")
     parser.add_argument("--chunk_lines", type=int, default=1000, help="lines per task sent to a worker")
     args = parser.parse_args()
     try:
@@ -172,7 +176,8 @@ def main():
         sys.exit(2)
     if stats["bad_lines"]:
         shown = ", ".join(map(str, stats["first_bad_lines"]))
-        print(f"skipped {stats['bad_lines']} bad lines (first: {shown}); first problem: {stats['first_bad_message']}")
+        print(f"skipped {stats['bad_lines']} bad lines (first: {shown}); "
+              f"first problem: {stats['first_bad_message']}")
     print(f"{stats['docs']:,} docs, {stats['tokens']:,} tokens, {stats['megabytes']:.1f} MB "
           f"in {stats['seconds']:.1f} s ({stats['tokens_per_s']:,.0f} tokens/s) -> {stats['out_path']}")
 
