@@ -17,7 +17,7 @@ def wrap_model(model, args, env):
 
         return shard_model(model, args, env)
     # device_ids only on CUDA: with gloo on CPU there is no device to pin.
-    # broadcast_buffers=False: the only buffers are the RoPE tables, identical on every
-    # rank, and re-broadcasting them every forward would cost a copy of each per step.
+    # The only buffers are the RoPE tables, identical on every rank; re-broadcasting
+    # them before every forward would cost a copy of each per step.
     device_ids = [env.local_rank] if env.device.startswith("cuda") else None
-    return DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
+    return DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False)

@@ -1,0 +1,73 @@
+"""Launch train_pretrain.py the ways users do, on tiny CPU configs, for the tests."""
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TRAIN = REPO_ROOT / "trainer" / "train_pretrain.py"
+PYTHON = sys.executable
+_TORCHRUN_BIN = Path(PYTHON).parent / "torchrun"
+TORCHRUN = [str(_TORCHRUN_BIN)] if _TORCHRUN_BIN.exists() else [PYTHON, "-m", "torch.distributed.run"]
+
+# hidden 64, 2 layers, seq 64: a step takes milliseconds, so process start-up dominates.
+TINY = ["--hidden_size", "64", "--num_hidden_layers", "2", "--max_seq_len", "64", "--batch_size", "4",
+        "--num_workers", "0", "--learning_rate", "2e-3", "--log_interval", "1", "--val_fraction", "0",
+        "--dist_timeout", "60"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_env(tmp_path, extra=None) -> dict:
+    env = dict(os.environ)
+    # One thread per process: two ranks on two cores must not oversubscribe them.
+    env.update(OMP_NUM_THREADS="1", TMPDIR=str(tmp_path), PYTHONUNBUFFERED="1")
+    for key in [k for k in env if k.startswith("MINIMIND_FAULT")]:
+        del env[key]
+    env.update(extra or {})
+    return env
+
+
+def out_args(run_dir) -> list[str]:
+    return ["--save_dir", str(Path(run_dir) / "out"), "--checkpoint_dir", str(Path(run_dir) / "ckpt")]
+
+
+def train_cmd(nproc: int, args, launcher: str = "torchrun") -> list[str]:
+    if nproc == 1 and launcher == "python":
+        return [PYTHON, str(TRAIN), *args]
+    if launcher == "legacy":
+        return [PYTHON, "-m", "torch.distributed.launch", f"--nproc_per_node={nproc}",
+                f"--master_port={free_port()}", str(TRAIN), *args]
+    return [*TORCHRUN, f"--nproc_per_node={nproc}", f"--master_port={free_port()}", str(TRAIN), *args]
+
+
+def run_training(nproc, args, tmp_path, launcher="torchrun", env=None, timeout=240, cwd=None):
+    """Run to completion and return the CompletedProcess (stdout and stderr merged)."""
+    return subprocess.run(train_cmd(nproc, args, launcher), cwd=cwd or tmp_path, env=run_env(tmp_path, env),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+
+
+def load_checkpoint(path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def latest_checkpoint(run_dir, prefix="pretrain_64") -> dict:
+    return load_checkpoint(Path(run_dir) / "ckpt" / f"{prefix}_resume.pth")
+
+
+def max_abs_diff(state_a: dict, state_b: dict) -> float:
+    assert state_a.keys() == state_b.keys()
+    return max((state_a[k].double() - state_b[k].double()).abs().max().item() for k in state_a)
+
+
+def assert_bitwise_equal(state_a: dict, state_b: dict):
+    assert state_a.keys() == state_b.keys()
+    differing = [k for k in state_a if not torch.equal(state_a[k], state_b[k])]
+    assert not differing, f"tensors differ: {differing[:5]}"
