@@ -35,6 +35,17 @@ class ResumableDistributedSampler(DistributedSampler):
         return self.num_samples - self.start
 
 
+def resume_step(saved_step_in_epoch: int, saved_samples_per_step: int, samples_per_step: int) -> int:
+    """The step within the saved epoch to resume at, in this run's step size.
+
+    The saved run consumed saved_step_in_epoch * saved_samples_per_step positions of
+    the epoch's permutation; with a different world size (or batch, or accumulation)
+    that is re-expressed in steps of samples_per_step, rounded down: a partly covered
+    step is redone (up to samples_per_step - 1 samples seen twice), never skipped.
+    """
+    return saved_step_in_epoch * saved_samples_per_step // samples_per_step
+
+
 @dataclass
 class TrainData:
     train: Dataset

@@ -26,7 +26,9 @@ from trainer.args import DEMO_CORPUS, check_args, parse_args, resolve_dtype  # n
 from trainer.checkpoint import (  # noqa: E402
     atomic_torch_save, load_latest_checkpoint, restore_rng_state, run_prefix, save_checkpoint,
 )
-from trainer.data import ResumableDistributedSampler, build_data, make_train_loader, make_val_loader, to_targets  # noqa: E402
+from trainer.data import (  # noqa: E402
+    ResumableDistributedSampler, build_data, make_train_loader, make_val_loader, resume_step, to_targets,
+)
 from trainer.metrics import RunLogger, device_peak_flops, flops_per_token  # noqa: E402
 from trainer.parallel import wrap_model  # noqa: E402
 from trainer.resilience import PreemptionFlag, inject_crash, inject_nan  # noqa: E402
@@ -147,7 +149,7 @@ def train(args, env) -> int:
         optimizer.load_state_dict(state["optimizer"])
         scaler.load_state_dict(state["scaler"])
         # Samples already consumed in the saved epoch, re-expressed in this run's step size.
-        step_in_epoch = state["step_in_epoch"] * state["samples_per_step"] // samples_per_step
+        step_in_epoch = resume_step(state["step_in_epoch"], state["samples_per_step"], samples_per_step)
         start_step = min(state["epoch"] * steps_per_epoch + step_in_epoch, total_steps)
         tokens_seen, wandb_id = state["tokens_seen"], state.get("wandb_run_id")
         if state["world_size"] == world_size:
