@@ -14,8 +14,10 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers import initialization as hf_init
 
-from model.generation import KVCacheGeneration
-from model.moe import MoEFeedForward
+# Package-relative, so the same file also works as trust_remote_code inside an
+# exported folder (scripts/convert_model.py --format minimind copies it there).
+from .generation import KVCacheGeneration
+from .moe import MoEFeedForward
 
 
 class MiniMindConfig(PretrainedConfig):
@@ -144,7 +146,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, attention_mask=None, past_kv=None):
+    def forward(self, x, cos, sin, attention_mask=None, past_kv=None, use_cache=False):
         B, T, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, T, self.num_heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
@@ -155,7 +157,8 @@ class Attention(nn.Module):
             past_len = past_kv[0].shape[2]
             k = torch.cat([past_kv[0], k], dim=2)
             v = torch.cat([past_kv[1], v], dim=2)
-        present = (k, v)
+        # Only returned when asked: these are views, and FSDP warns about view outputs.
+        present = (k, v) if use_cache else None
         # GQA: each group of query heads shares one key/value head.
         groups = self.num_heads // self.num_kv_heads
         k = k.repeat_interleave(groups, dim=1)
@@ -207,8 +210,8 @@ class MiniMindBlock(nn.Module):
         else:
             self.mlp = FeedForward(config.hidden_size, config.intermediate_size, config.dropout)
 
-    def forward(self, x, cos, sin, attention_mask=None, past_kv=None):
-        attn_out, present = self.self_attn(self.input_layernorm(x), cos, sin, attention_mask, past_kv)
+    def forward(self, x, cos, sin, attention_mask=None, past_kv=None, use_cache=False):
+        attn_out, present = self.self_attn(self.input_layernorm(x), cos, sin, attention_mask, past_kv, use_cache)
         x = x + attn_out
         x = x + self.mlp(self.post_attention_layernorm(x))
         aux_loss = getattr(self.mlp, "aux_loss", None)
@@ -246,10 +249,10 @@ class MiniMindModel(nn.Module):
             past_kv = past_key_values[i] if past_key_values else None
             if self.gradient_checkpointing and self.training:
                 x, present, aux = torch.utils.checkpoint.checkpoint(
-                    layer, x, cos, sin, attention_mask, past_kv, use_reentrant=False
+                    layer, x, cos, sin, attention_mask, past_kv, use_cache, use_reentrant=False
                 )
             else:
-                x, present, aux = layer(x, cos, sin, attention_mask, past_kv)
+                x, present, aux = layer(x, cos, sin, attention_mask, past_kv, use_cache)
             if use_cache:
                 presents.append(present)
             if aux is not None:

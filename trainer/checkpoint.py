@@ -6,9 +6,14 @@ Layout in --checkpoint_dir, for the run prefix `{save_weight}_{hidden}[_moe]`:
     pretrain_512_resume_step0001200.pth.json   its size and sha256, written after it
     pretrain_512_resume.pth -> ..._step0001200.pth   symlink to the newest, swapped atomically
 
-A file becomes visible only through os.replace of a finished temp file, and the
-record comes after the file, so a kill at any moment leaves every earlier
-checkpoint intact and the half-written one unrecorded (and therefore skipped).
+FSDP runs write `..._step0001200.dcp/` instead (and point `..._resume.dcp` at it):
+a torch.distributed.checkpoint folder (each rank writes its shard) plus
+`trainer_state.pt`, with the same record beside it listing every file's size and sha256. Either kind loads into either
+kind of run, at any world size.
+
+A checkpoint becomes visible only through os.replace of a finished temp file or
+folder, and the record comes after it, so a kill at any moment leaves every
+earlier checkpoint intact and the half-written one unrecorded (and therefore skipped).
 """
 import glob
 import hashlib
@@ -16,16 +21,21 @@ import json
 import os
 import random
 import re
+import shutil
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from trainer.trainer_utils import Logger, UserError, barrier, broadcast_from_main, is_main_process
 
 FORMAT = "minimind-resume-v1"
-REQUIRED_KEYS = {"format", "model", "optimizer", "scaler", "global_step", "epoch", "step_in_epoch",
-                 "samples_per_step", "world_size", "model_config", "rng", "tokens_seen"}
+TRAINER_KEYS = {"format", "scaler", "global_step", "epoch", "step_in_epoch",
+                "samples_per_step", "world_size", "model_config", "rng", "tokens_seen"}
+WEIGHT_KEYS = {"model", "optimizer"}  # inside the .pth; a .dcp folder holds them as shards
+TRAINER_STATE = "trainer_state.pt"
 # Architecture fields a resumed run must agree on.
 CONFIG_KEYS = ("hidden_size", "num_hidden_layers", "use_moe", "vocab_size",
                "num_attention_heads", "num_key_value_heads", "intermediate_size")
@@ -35,19 +45,20 @@ def run_prefix(save_weight: str, hidden_size: int, use_moe: bool) -> str:
     return f"{save_weight}_{hidden_size}{'_moe' if use_moe else ''}"
 
 
-def step_path(checkpoint_dir, prefix, global_step) -> str:
-    return os.path.join(checkpoint_dir, f"{prefix}_resume_step{global_step:07d}.pth")
+def step_path(checkpoint_dir, prefix, global_step, sharded=False) -> str:
+    suffix = "dcp" if sharded else "pth"
+    return os.path.join(checkpoint_dir, f"{prefix}_resume_step{global_step:07d}.{suffix}")
 
 
-def list_checkpoints(checkpoint_dir, prefix) -> list[str]:
-    """Step checkpoints of this run, newest first."""
-    paths = glob.glob(os.path.join(glob.escape(checkpoint_dir), f"{glob.escape(prefix)}_resume_step*.pth"))
+def list_checkpoints(checkpoint_dir, prefix="*") -> list[str]:
+    """Step checkpoints (files and DCP folders) of this run, newest first."""
+    pattern = os.path.join(glob.escape(checkpoint_dir), f"{prefix if prefix == '*' else glob.escape(prefix)}_resume_step*")
+    paths = [p for p in glob.glob(pattern) if re.search(r"_resume_step\d+\.(pth|dcp)$", p)]
     return sorted(paths, key=_step_of, reverse=True)
 
 
 def _step_of(path) -> int:
-    match = re.search(r"_resume_step(\d+)\.pth$", path)
-    return int(match.group(1)) if match else -1
+    return int(re.search(r"_resume_step(\d+)\.", path).group(1))
 
 
 # ---------------------------------------------------------------------------- RNG state
@@ -116,7 +127,11 @@ def _atomic_write_text(path, text):
 
 
 def _point_latest(checkpoint_dir, prefix, target):
-    link = os.path.join(checkpoint_dir, f"{prefix}_resume.pth")
+    suffix = os.path.splitext(target)[1]  # .pth, or .dcp for a sharded folder
+    link = os.path.join(checkpoint_dir, f"{prefix}_resume{suffix}")
+    stale = os.path.join(checkpoint_dir, f"{prefix}_resume{'.pth' if suffix == '.dcp' else '.dcp'}")
+    if os.path.islink(stale):  # the run switched between DDP and FSDP
+        os.remove(stale)
     tmp = f"{link}.tmp"
     if os.path.lexists(tmp):
         os.remove(tmp)
@@ -124,45 +139,104 @@ def _point_latest(checkpoint_dir, prefix, target):
     os.replace(tmp, link)
 
 
-def save_checkpoint(state: dict, checkpoint_dir: str, prefix: str, keep_last: int = 3) -> str | None:
-    """Write a resume checkpoint from rank 0; every rank must call this (RNG gather, barrier)."""
-    state = dict(state, format=FORMAT, rng=gather_rng_states())
-    path = step_path(checkpoint_dir, prefix, state["global_step"])
+def _file_records(path) -> dict:
+    """{relative file name: {size, sha256}} of a checkpoint file or of every file in a folder."""
+    if os.path.isfile(path):
+        return {os.path.basename(path): {"size": os.path.getsize(path), "sha256": _sha256(path)}}
+    return {name: {"size": os.path.getsize(os.path.join(path, name)), "sha256": _sha256(os.path.join(path, name))}
+            for name in sorted(os.listdir(path))}
+
+
+def _remove(path):
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def _publish(path, checkpoint_dir, prefix, keep_last, global_step):
+    """Rank 0, once `path` is complete: record it, point `latest` at it, drop the oldest."""
+    _atomic_write_text(f"{path}.json", json.dumps({"global_step": global_step, "files": _file_records(path)}))
+    _point_latest(checkpoint_dir, prefix, path)
+    for old in list_checkpoints(checkpoint_dir, prefix)[max(1, keep_last):]:
+        _remove(f"{old}.json")  # unrecord first: a kill in between leaves an ignored leftover
+        _remove(old)
+
+
+def save_checkpoint(trainer_state: dict, model, optimizer, checkpoint_dir: str, prefix: str,
+                    keep_last: int = 3, sharded: bool = False) -> str:
+    """Write a resume checkpoint; every rank must call this (it gathers and synchronises).
+
+    `sharded`: the model is FSDP-sharded, so each rank writes its own shards (DCP);
+    otherwise rank 0 writes one .pth with the full fp32 weights and optimizer state.
+    """
+    trainer_state = dict(trainer_state, format=FORMAT, rng=gather_rng_states())
+    path = step_path(checkpoint_dir, prefix, trainer_state["global_step"], sharded)
+    model_state, optim_state = get_state_dict(model, optimizer)
     if is_main_process():
         os.makedirs(checkpoint_dir, exist_ok=True)
-        atomic_torch_save(state, path)
-        record = {"size": os.path.getsize(path), "sha256": _sha256(path), "global_step": state["global_step"]}
-        _atomic_write_text(f"{path}.json", json.dumps(record))
-        _point_latest(checkpoint_dir, prefix, path)
-        for old in list_checkpoints(checkpoint_dir, prefix)[max(1, keep_last):]:
-            for stale in (old, f"{old}.json"):
-                if os.path.exists(stale):
-                    os.remove(stale)
+        _remove(f"{path}.tmp")  # debris of a save that was killed
+    if sharded:
+        barrier()
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=f"{path}.tmp")
+        barrier()
+        if is_main_process():
+            torch.save(trainer_state, os.path.join(f"{path}.tmp", TRAINER_STATE))
+            _remove(path)
+            os.replace(f"{path}.tmp", path)
+    elif is_main_process():
+        atomic_torch_save(dict(trainer_state, model=model_state, optimizer=optim_state), path)
+    if is_main_process():
+        _publish(path, checkpoint_dir, prefix, keep_last, trainer_state["global_step"])
     barrier()
     return path
 
 
+def restore_model_and_optimizer(state: dict, model, optimizer):
+    """Load a checkpoint's weights and optimizer state into this run's (possibly sharded) model."""
+    if "model" in state:  # a full .pth: every rank holds everything, each keeps its part
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=StateDictOptions(full_state_dict=True))
+        return
+    # A DCP folder: describe what this run holds, let DCP fill it from whatever sharding was saved.
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=state["path"])
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+
+
 # ---------------------------------------------------------------------------- loading
+def _load_trainer_state(path) -> dict:
+    state_file = os.path.join(path, TRAINER_STATE) if os.path.isdir(path) else path
+    return torch.load(state_file, map_location="cpu", weights_only=True)
+
+
 def verify_checkpoint(path: str) -> dict:
-    """Load `path` if its record, checksum and keys check out; raise ValueError saying why not."""
+    """Load `path` if its record, checksums and keys check out; raise ValueError saying why not.
+
+    Returns the state dict (for a DCP folder, only its trainer state: the shards are
+    read later, straight into the model)."""
     record_path = f"{path}.json"
     if not os.path.exists(record_path):
         raise ValueError("no size/checksum record (its save was interrupted)")
     try:
         with open(record_path) as f:
-            record = json.load(f)
-    except (OSError, ValueError):
+            recorded = json.load(f)["files"]
+    except (OSError, ValueError, KeyError, TypeError):
         raise ValueError(f"unreadable record {os.path.basename(record_path)}") from None
-    size = os.path.getsize(path)
-    if size != record.get("size"):
-        raise ValueError(f"size {size} bytes, but {record.get('size')} were written (truncated?)")
-    if _sha256(path) != record.get("sha256"):
-        raise ValueError("sha256 does not match the one recorded at save time (corrupt)")
+    actual = _file_records(path)
+    for name, expected in recorded.items():
+        if name not in actual:
+            raise ValueError(f"{name} is missing")
+        if actual[name]["size"] != expected["size"]:
+            raise ValueError(f"{name} has {actual[name]['size']} bytes, but {expected['size']} were written (truncated?)")
+        if actual[name]["sha256"] != expected["sha256"]:
+            raise ValueError(f"{name}: sha256 does not match the one recorded at save time (corrupt)")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = _load_trainer_state(path)
     except Exception as exc:
         raise ValueError(f"does not unpickle ({type(exc).__name__})") from None
-    missing = REQUIRED_KEYS - set(state) if isinstance(state, dict) else REQUIRED_KEYS
+    required = TRAINER_KEYS | (set() if os.path.isdir(path) else WEIGHT_KEYS)
+    missing = required - set(state) if isinstance(state, dict) else required
     if missing or state.get("format") != FORMAT:
         raise ValueError(f"not a {FORMAT} checkpoint (missing {sorted(missing)})")
     return state
@@ -183,8 +257,7 @@ def _choose_checkpoint(checkpoint_dir, prefix, model_config: dict):
     if not candidates:
         # Another prefix (say, a different --hidden_size) with a usable checkpoint means the
         # flags changed, not that this is a new run: say so instead of silently starting over.
-        others = glob.glob(os.path.join(glob.escape(checkpoint_dir), "*_resume_step*.pth"))
-        for other in sorted(others, key=os.path.getmtime, reverse=True):
+        for other in sorted(list_checkpoints(checkpoint_dir), key=os.path.getmtime, reverse=True):
             try:
                 saved_config = verify_checkpoint(other)["model_config"]
             except ValueError:
@@ -219,13 +292,14 @@ def load_latest_checkpoint(checkpoint_dir: str, prefix: str, model_config: dict)
     if path is None:
         return None
     if state is None:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = _load_trainer_state(path)
     state["path"] = path
     return state
 
 
-def lm_checkpoint(checkpoint_dir, prefix, model_config=None, state=None, keep_last=3):
-    """MiniMind-style entry point: save when `state` is given, otherwise load the latest."""
+def lm_checkpoint(checkpoint_dir, prefix, model=None, optimizer=None, state=None, model_config=None,
+                  keep_last=3, sharded=False):
+    """MiniMind-style single entry point: save when `state` is given, else load the latest."""
     if state is not None:
-        return save_checkpoint(state, checkpoint_dir, prefix, keep_last)
+        return save_checkpoint(state, model, optimizer, checkpoint_dir, prefix, keep_last, sharded)
     return load_latest_checkpoint(checkpoint_dir, prefix, model_config or {})

@@ -91,9 +91,10 @@ def make_train_loader(dataset, sampler, args, pin_memory: bool) -> DataLoader:
 
 
 def make_val_loader(val_set, args, rank: int, world_size: int, pin_memory: bool) -> DataLoader:
-    """A fixed slice of the validation set, strided over ranks without padding, so
-    no sample is counted twice (a rank may get none; it still joins the all-reduce)."""
-    n = min(len(val_set), args.eval_batches * args.batch_size * world_size)
+    """A fixed slice of the validation set, strided over ranks without padding, so no
+    sample is counted twice; every rank gets as many batches (FSDP needs all of them in
+    each forward)."""
+    n = min(len(val_set), args.eval_batches * args.batch_size * world_size) // world_size * world_size
     return DataLoader(Subset(val_set, range(rank, n, world_size)), batch_size=args.batch_size,
                       num_workers=0, pin_memory=pin_memory)
 

@@ -1,23 +1,79 @@
 """How the model is spread over processes: DDP (a full replica per rank) or FSDP2
 (parameters, gradients and optimizer state sharded across ranks)."""
+from contextlib import contextmanager
+
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 
 def wrap_model(model, args, env):
-    """Returns the module the loop calls. `model` itself stays the plain
-    MiniMindForCausalLM whose state_dict the checkpoints hold."""
+    """Returns the module the loop calls. With DDP `model` stays the plain
+    MiniMindForCausalLM; FSDP shards it in place (its parameters become DTensors)."""
     model.model.gradient_checkpointing = bool(args.grad_checkpointing)
     if args.use_compile:
         model = torch.compile(model)
     if not env.distributed:
         return model
     if args.parallel == "fsdp":
-        from trainer.fsdp import shard_model
-
         return shard_model(model, args, env)
     # device_ids only on CUDA: with gloo on CPU there is no device to pin.
     # The only buffers are the RoPE tables, identical on every rank; re-broadcasting
     # them before every forward would cost a copy of each per step.
     device_ids = [env.local_rank] if env.device.startswith("cuda") else None
     return DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False)
+
+
+def shard_model(model, args, env):
+    """FSDP2: one shard group per transformer block, and the root for the rest
+    (the tied embedding / lm_head, the final norm). A block's full weights exist
+    only while it computes, so memory per rank falls with the world size."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy()
+    if env.device.startswith("cuda") and args.dtype == "bfloat16":
+        # Compute in bf16, keep fp32 master weights and reduce gradients in fp32.
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.model.layers:
+        fully_shard(block, mp_policy=policy)
+    return fully_shard(model, mp_policy=policy)
+
+
+@contextmanager
+def gradient_sync(net, enabled: bool):
+    """Skip the gradient all-reduce (DDP) or reduce-scatter (FSDP) on micro-batches
+    that are not the last of an accumulation window."""
+    if enabled:
+        yield
+    elif isinstance(net, DistributedDataParallel):
+        with net.no_sync():
+            yield
+    elif hasattr(net, "set_requires_gradient_sync"):
+        net.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            net.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
+def full_state_dict(model) -> dict:
+    """The whole model's weights as CPU tensors, gathered from the shards under FSDP.
+    Every rank must call it; rank 0 is the one that writes them."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def weights_finite(model) -> bool:
+    """True when no rank holds a NaN or Inf weight (each rank checks what it holds)."""
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    bad = torch.tensor(float(not all(torch.isfinite(p).all() for p in local)))
+    if dist.is_initialized():
+        dist.all_reduce(bad)
+    return bad.item() == 0
+
+
+def as_local_scalar(value: torch.Tensor) -> torch.Tensor:
+    return value.full_tensor() if isinstance(value, DTensor) else value

@@ -24,13 +24,14 @@ from dataset.packed_dataset import document_causal_mask  # noqa: E402
 from model.model_minimind import count_parameters  # noqa: E402
 from trainer.args import DEMO_CORPUS, check_args, parse_args, resolve_dtype  # noqa: E402
 from trainer.checkpoint import (  # noqa: E402
-    atomic_torch_save, load_latest_checkpoint, restore_rng_state, run_prefix, save_checkpoint,
+    atomic_torch_save, load_latest_checkpoint, restore_model_and_optimizer, restore_rng_state, run_prefix,
+    save_checkpoint,
 )
 from trainer.data import (  # noqa: E402
     ResumableDistributedSampler, build_data, make_train_loader, make_val_loader, resume_step, to_targets,
 )
 from trainer.metrics import RunLogger, device_peak_flops, flops_per_token  # noqa: E402
-from trainer.parallel import wrap_model  # noqa: E402
+from trainer.parallel import as_local_scalar, full_state_dict, gradient_sync, weights_finite, wrap_model  # noqa: E402
 from trainer.resilience import PreemptionFlag, inject_crash, inject_nan  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
     Logger, UserError, all_reduce_sum, barrier, cleanup_distributed, fail, get_lr, init_distributed_mode,
@@ -56,17 +57,13 @@ def ensure_data(args):
 
 
 def save_weights(model, args, prefix):
-    """The seed's inference format: a half-precision state_dict, written atomically by rank 0."""
+    """The seed's inference format: a half-precision state_dict, written atomically by rank 0
+    (every rank takes part in gathering it when the model is sharded)."""
+    weights = full_state_dict(model)
     if is_main_process():
         os.makedirs(args.save_dir, exist_ok=True)
         path = os.path.join(args.save_dir, f"{prefix}.pth")
-        atomic_torch_save({k: v.detach().half().cpu() for k, v in model.state_dict().items()}, path)
-
-
-def assert_finite_weights(model):
-    # A checkpoint of NaNs would overwrite a good one in the rotation: refuse to write it.
-    if not all(torch.isfinite(p).all() for p in model.parameters()):
-        raise RuntimeError("model weights are not finite; refusing to save a checkpoint")
+        atomic_torch_save({k: v.half() for k, v in weights.items()}, path)
 
 
 @torch.no_grad()
@@ -134,8 +131,11 @@ def train(args, env) -> int:
                         f"{accum} accumulation steps); lower --batch_size or add data")
     total_steps = args.max_steps or args.epochs * steps_per_epoch
 
-    # ------------------------------------------------------------------ 3. model, optimizer, scaler
+    # ------------------------------------------------------------------ 3. model, parallelism, optimizer
     model = init_model(config, args.from_weight, env.device)
+    active_params = count_parameters(model)[1]
+    sharded = args.parallel == "fsdp" and env.distributed
+    net = wrap_model(model, args, env)  # FSDP shards `model` in place, so the optimizer comes after
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=(0.9, 0.95),
                                   weight_decay=args.weight_decay, fused=device_type == "cuda")
     scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
@@ -145,8 +145,7 @@ def train(args, env) -> int:
     start_step, tokens_seen, wandb_id = 0, 0, None
     state = load_latest_checkpoint(args.checkpoint_dir, prefix, config.to_dict()) if args.from_resume else None
     if state is not None:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        restore_model_and_optimizer(state, model, optimizer)
         scaler.load_state_dict(state["scaler"])
         # Samples already consumed in the saved epoch, re-expressed in this run's step size.
         step_in_epoch = resume_step(state["step_in_epoch"], state["samples_per_step"], samples_per_step)
@@ -161,8 +160,7 @@ def train(args, env) -> int:
         Logger(f"resumed from {state['path']} at step {start_step}/{total_steps}")
         del state
 
-    # ------------------------------------------------------------------ 5. parallelism, loaders, logging
-    net = wrap_model(model, args, env)
+    # ------------------------------------------------------------------ 5. loaders, logging
     pin = device_type == "cuda"
     sampler = ResumableDistributedSampler(data.train, world_size, rank, seed=args.seed)
     loader = make_train_loader(data.train, sampler, args, pin)
@@ -172,21 +170,22 @@ def train(args, env) -> int:
     preempt.install()
     tokens_per_step = samples_per_step * args.max_seq_len
     peak = device_peak_flops(env.device, args.peak_tflops)
-    flops_token = flops_per_token(config, count_parameters(model)[1], args.max_seq_len)
+    flops_token = flops_per_token(config, active_params, args.max_seq_len)
     Logger(f"world_size={world_size} micro_batch={args.batch_size} accumulation={accum} "
            f"global_batch={samples_per_step} steps/epoch={steps_per_epoch} total_steps={total_steps} "
-           f"dtype={args.dtype} device={env.device}")
+           f"dtype={args.dtype} device={env.device} parallel={args.parallel if env.distributed else 'none'}")
 
     def checkpoint(step):
-        assert_finite_weights(model)
+        # A checkpoint of NaNs would push a good one out of the rotation: refuse to write it.
+        if not weights_finite(model):
+            raise RuntimeError("model weights are not finite; refusing to save a checkpoint")
         save_weights(model, args, prefix)
         epoch, step_in_epoch = divmod(step, steps_per_epoch)
         save_checkpoint({
-            "model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
-            "global_step": step, "epoch": epoch, "step_in_epoch": step_in_epoch,
+            "scaler": scaler.state_dict(), "global_step": step, "epoch": epoch, "step_in_epoch": step_in_epoch,
             "samples_per_step": samples_per_step, "world_size": world_size, "tokens_seen": tokens_seen,
             "wandb_run_id": log.wandb_run_id, "model_config": config.to_dict(),
-        }, args.checkpoint_dir, prefix, args.keep_last)
+        }, model, optimizer, args.checkpoint_dir, prefix, args.keep_last, sharded)
 
     # ------------------------------------------------------------------ 6. train
     global_step, bad_steps, last_saved = start_step, 0, -1
@@ -277,8 +276,7 @@ def optimizer_step(net, optimizer, scaler, micro_batches, args, env, shifted, au
     aux_sum = torch.zeros((), device=device)
     for i, (x, targets) in enumerate(batches):
         # Only the last micro-batch all-reduces gradients; the others accumulate locally.
-        sync = nullcontext() if i == accum - 1 or not hasattr(net, "no_sync") else net.no_sync()
-        with sync:
+        with gradient_sync(net, enabled=i == accum - 1):
             with autocast:
                 mask = document_causal_mask(x, bos_id) if args.doc_mask else None
                 out = net(x, attention_mask=mask, shift_labels=targets, num_items_in_batch=per_rank_tokens)
@@ -290,7 +288,8 @@ def optimizer_step(net, optimizer, scaler, micro_batches, args, env, shifted, au
         aux_sum += out.aux_loss.detach().float() / accum
 
     scaler.unscale_(optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(net.parameters(), args.grad_clip if args.grad_clip > 0 else math.inf)
+    grad_norm = as_local_scalar(
+        torch.nn.utils.clip_grad_norm_(net.parameters(), args.grad_clip if args.grad_clip > 0 else math.inf))
     # One collective carries every per-step agreement: loss for logging, a non-finite
     # loss on any rank, and a preemption request seen by any rank.
     flags = torch.stack([loss_sum, aux_sum, (~torch.isfinite(loss_sum)).float(),
