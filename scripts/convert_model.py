@@ -1,0 +1,206 @@
+"""Convert MiniMind weights to a Hugging Face folder, and back.
+
+    # .pth (or resume checkpoint) -> folder that stock transformers loads as Qwen3 / Qwen3-MoE
+    python scripts/convert_model.py --weight_path out/pretrain_64.pth --hidden_size 64 \
+        --num_hidden_layers 2 --out_dir hf_out [--use_moe 1] [--format native|minimind]
+
+    # folder (either format) -> .pth for `--from_weight`
+    python scripts/convert_model.py --to_pth --hf_dir hf_out --out_path out/pretrain_64.pth
+
+--format native writes a transformers Qwen3 (dense) or Qwen3-MoE config plus model.safetensors
+under the same tensor names as ours: `AutoModelForCausalLM.from_pretrained(dir)` needs no
+trust_remote_code. Qwen3-MoE routes exactly like our MoE (fp32 softmax over all experts,
+top-k, optional renormalisation, no shared expert), so MoE exports natively too.
+--format minimind saves our own classes with their source files and an auto_map, for
+`from_pretrained(dir, trust_remote_code=True)`. Every export is loaded back and its
+logits compared with ours.
+"""
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+from transformers.utils import logging as hf_logging
+
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+from model.weights import (  # noqa: F401  (load_weights, hf_to_state_dict: re-exported for callers)
+    SHAPE_FLAGS, WeightsError, build_model, config_flags, default_weight_path, flag_default, format_flags,
+    hf_to_state_dict, load_model, load_weights, qwen3_config_from_minimind,
+)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "added_tokens.json", "chat_template.jinja")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+REMOTE_CODE_FILES = ("model_minimind.py", "moe.py", "generation.py")
+
+
+class ExportError(RuntimeError):
+    """An export that loaded back wrong; str(e) is one line."""
+
+
+# -----------------------------------------------------------------------------
+# exports
+
+def export_native(model, out_dir, tokenizer_path=None, dtype=torch.float32, atol=1e-4):
+    """Write a stock transformers Qwen3 / Qwen3-MoE folder; returns the verified max logit diff."""
+    out_dir = Path(out_dir)
+    tokenizer_files = find_tokenizer_files(tokenizer_path)  # fail before writing anything
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = qwen3_config_from_minimind(model.config, dtype=str(dtype).removeprefix("torch."))
+    config.save_pretrained(out_dir)
+    # lm_head is tied to the embedding and transformers re-ties it on load, as in Qwen's own files.
+    state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, out_dir / "model.safetensors", metadata={"format": "pt"})
+    _finish_folder(model.config, out_dir, tokenizer_files)
+    return verify_export(model, out_dir, dtype, atol, trust_remote_code=False)
+
+
+def export_minimind(model, out_dir, tokenizer_path=None, dtype=torch.float32, atol=1e-4):
+    """Write our own classes + source (auto_map) for trust_remote_code; returns the verified max diff."""
+    out_dir = Path(out_dir)
+    tokenizer_files = find_tokenizer_files(tokenizer_path)  # fail before writing anything
+    rounded = _rounded_copy(model, dtype)
+    # save_pretrained copies model_minimind.py and the modules it imports relatively
+    # (moe.py, generation.py) next to the weights, because of register_for_auto_class.
+    rounded.to(dtype).save_pretrained(out_dir)
+    missing = [name for name in REMOTE_CODE_FILES if not (out_dir / name).is_file()]
+    if missing:
+        raise ExportError(f"{out_dir}: save_pretrained did not copy {', '.join(missing)}: remote code would not load")
+    _finish_folder(model.config, out_dir, tokenizer_files)
+    return verify_export(model, out_dir, dtype, atol, trust_remote_code=True)
+
+
+def _finish_folder(config, out_dir, tokenizer_files):
+    GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+    ).save_pretrained(out_dir)
+    for file in tokenizer_files:
+        shutil.copy2(file, Path(out_dir) / file.name)
+
+
+def find_tokenizer_files(tokenizer_path):
+    """The tokenizer's files in `tokenizer_path` (not model/'s source files); [] for None."""
+    if tokenizer_path is None:
+        return []
+    tokenizer_path = Path(tokenizer_path)
+    files = [tokenizer_path / name for name in TOKENIZER_FILES if (tokenizer_path / name).is_file()]
+    if not files:
+        raise WeightsError(f"{tokenizer_path}: no tokenizer files (tokenizer.json, tokenizer_config.json) there: "
+                           f"pass --tokenizer_path the tokenizer folder, or --tokenizer_path none to skip it")
+    return files
+
+
+def _rounded_copy(model, dtype):
+    # Our model in fp32 holding exactly the weights an export in `dtype` holds, so the
+    # comparison measures the code paths, not the rounding of a half/bf16 export.
+    copy = MiniMindForCausalLM(model.config)
+    copy.load_state_dict({k: v.detach().to(dtype).float() for k, v in model.state_dict().items()})
+    return copy.eval()
+
+
+def verify_export(model, out_dir, dtype=torch.float32, atol=1e-4, trust_remote_code=False):
+    """Load `out_dir` with AutoModelForCausalLM in fp32 and compare its logits with ours."""
+    reference = _rounded_copy(model, dtype)
+    loaded = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    if trust_remote_code:
+        # The exported module registered its own copy of our classes under "minimind";
+        # point the auto classes back at the in-repo ones for the rest of this process.
+        AutoConfig.register(MiniMindConfig.model_type, MiniMindConfig, exist_ok=True)
+        AutoModelForCausalLM.register(MiniMindConfig, MiniMindForCausalLM, exist_ok=True)
+    loaded.eval()
+    gen = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 32), generator=gen)
+    with torch.no_grad():
+        diff = (reference(input_ids).logits - loaded(input_ids).logits).abs().max().item()
+    if not diff <= atol:
+        raise ExportError(f"{out_dir}: logits of the exported model differ from ours by {diff:.3g} > {atol}")
+    return diff
+
+
+def save_pth(state, out_path):
+    """Our .pth weight format: half-precision state_dict with our names, lm_head.weight included."""
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({k: v.detach().half().contiguous() for k, v in state.items()}, out_path)
+
+
+# -----------------------------------------------------------------------------
+# command line
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        # One line instead of usage + message; --help still shows the usage.
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def parse_args(argv=None):
+    p = _Parser(description=__doc__.split("\n")[0])
+    p.add_argument("--weight_path", help="weights .pth or resume checkpoint (default: out/pretrain_{hidden}[_moe].pth)")
+    p.add_argument("--out_dir", default=str(REPO_ROOT / "hf_out"), help="folder to write (default: hf_out)")
+    p.add_argument("--format", choices=("native", "minimind"), default="native",
+                   help="native: stock transformers Qwen3 / Qwen3-MoE; minimind: our classes via trust_remote_code")
+    p.add_argument("--tokenizer_path", default=str(REPO_ROOT / "model"),
+                   help="tokenizer folder whose files are copied into the export ('none' to skip)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="dtype of the exported weights")
+    p.add_argument("--atol", type=float, default=1e-4, help="largest logit difference the verification accepts")
+    for name in SHAPE_FLAGS:
+        p.add_argument(f"--{name}", type=int, default=None,
+                       help=f"model shape (default {flag_default(name)}; a resume checkpoint's config wins)")
+    p.add_argument("--to_pth", action="store_true", help="convert --hf_dir back to a .pth at --out_path")
+    p.add_argument("--hf_dir", help="with --to_pth: the folder to convert")
+    p.add_argument("--out_path", help="with --to_pth: the .pth to write")
+    args = p.parse_args(argv)
+    if args.to_pth and not (args.hf_dir and args.out_path):
+        p.error("--to_pth needs --hf_dir FOLDER and --out_path FILE.pth")
+    if not args.to_pth and (args.hf_dir or args.out_path):
+        p.error("--hf_dir and --out_path only go with --to_pth")
+    if args.use_moe not in (None, 0, 1):
+        p.error(f"--use_moe must be 0 or 1, got {args.use_moe}")
+    return args
+
+
+def to_pth(args):
+    state, config = hf_to_state_dict(args.hf_dir)
+    model = build_model(state, config, args.hf_dir)  # checks every name and shape
+    save_pth(model.state_dict(), args.out_path)
+    print(f"wrote {args.out_path} ({len(state)} tensors, fp16)")
+    print(f"its model flags: {format_flags(config_flags(config))}")
+
+
+def export(args):
+    flags = {name: getattr(args, name) for name in SHAPE_FLAGS}
+    weight_path = args.weight_path or default_weight_path(REPO_ROOT / "out", args.hidden_size, args.use_moe)
+    model, source = load_model(weight_path, **flags)
+    tokenizer_path = None if args.tokenizer_path.lower() == "none" else args.tokenizer_path
+    exporter = export_native if args.format == "native" else export_minimind
+    diff = exporter(model, args.out_dir, tokenizer_path, DTYPES[args.dtype], args.atol)
+    if args.format == "native":
+        kind = "transformers Qwen3-MoE" if model.config.use_moe else "transformers Qwen3"
+    else:
+        kind = "minimind (trust_remote_code)"
+    print(f"wrote {args.out_dir} from {source} as {kind}, {args.dtype}")
+    print(f"verified: max logit diff vs our model = {diff:.3g}")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    hf_logging.disable_progress_bar()  # tiny folders; the bars are only noise
+    try:
+        to_pth(args) if args.to_pth else export(args)
+    except WeightsError as e:  # bad input
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except ExportError as e:  # a conversion bug, not the user's fault
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""Generate text with a trained MiniMind, or measure its perplexity on held-out JSONL.
+
+    python scripts/eval_llm.py --prompt "Once upon a time"              # out/pretrain_512.pth
+    python scripts/eval_llm.py --hidden_size 768                         # interactive, in a terminal
+    python scripts/eval_llm.py --hf_dir hf_out --prompt "..." --prompt "..." --greedy
+    python scripts/eval_llm.py --weight_path checkpoints/pretrain_512_resume.pth --ppl_data val.jsonl
+
+The weights may be a .pth (flags describe the model), a resume checkpoint or a folder
+written by convert_model.py (their stored config wins). A pretrained model continues
+text, so a prompt is fed as BOS + prompt, the same layout as the training samples.
+"""
+import argparse
+import math
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+import torch
+from transformers import AutoTokenizer
+
+from dataset.lm_dataset import DataError, iter_jsonl_texts
+from model.weights import SHAPE_FLAGS, WeightsError, default_weight_path, flag_default, load_model
+
+
+class TextStreamer:
+    """Prints the text of new tokens as generate() produces them (its put/end protocol).
+
+    Decoding the whole continuation each step, rather than token by token, keeps
+    byte-level BPE pieces of one multi-byte character together.
+    """
+
+    def __init__(self, tokenizer, out=None):
+        self.tokenizer = tokenizer
+        self.out = out or sys.stdout
+        self.ids, self.printed = [], 0
+
+    def put(self, token_ids):
+        self.ids.extend(token_ids.reshape(-1).tolist())  # one new token per step, batch of 1
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return  # a character whose remaining bytes are still to come
+        self._write(text)
+
+    def end(self):
+        self._write(self.tokenizer.decode(self.ids, skip_special_tokens=True))
+        self.out.write("\n")
+        self.out.flush()
+        self.ids, self.printed = [], 0
+
+    def _write(self, text):
+        self.out.write(text[self.printed:])
+        self.out.flush()
+        self.printed = len(text)
+
+
+def generate_text(model, tokenizer, prompt, args, out=None):
+    """Stream a continuation of `prompt` to `out`; returns the new token ids."""
+    device = next(model.parameters()).device
+    ids = [tokenizer.bos_token_id] + tokenizer(prompt, add_special_tokens=False).input_ids
+    input_ids = torch.tensor([ids], device=device)
+    out = out or sys.stdout
+    out.write(prompt)
+    tokens = model.generate(
+        input_ids,
+        max_new_tokens=args.max_new_tokens,
+        do_sample=bool(args.do_sample),
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        eos_token_id=tokenizer.eos_token_id,
+        streamer=TextStreamer(tokenizer, out),
+    )
+    return tokens[0, len(ids):].tolist()
+
+
+@torch.no_grad()
+def perplexity(model, tokenizer, path, max_docs=None, max_seq_len=512, batch_size=8):
+    """(docs, tokens, mean loss) over the next-token targets of each document.
+
+    A document is laid out as in training (dataset/lm_dataset.py): BOS + text + EOS,
+    truncated to max_seq_len with the EOS kept; the targets are every real token
+    after BOS. Right padding needs no attention mask under a causal model.
+    """
+    device = next(model.parameters()).device
+    bos, eos, pad = tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
+    docs = tokens = 0
+    total_loss = 0.0
+    batch = []
+    for _, text in iter_jsonl_texts(path):
+        if max_docs is not None and docs + len(batch) >= max_docs:
+            break
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        batch.append([bos] + ids[: max_seq_len - 2] + [eos])
+        if len(batch) == batch_size:
+            docs, tokens, total_loss = _add_batch(model, batch, pad, device, docs, tokens, total_loss)
+            batch = []
+    if batch:
+        docs, tokens, total_loss = _add_batch(model, batch, pad, device, docs, tokens, total_loss)
+    return docs, tokens, total_loss / max(tokens, 1)
+
+
+def _add_batch(model, batch, pad, device, docs, tokens, total_loss):
+    width = max(len(ids) for ids in batch)
+    input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
+    targets = torch.full((len(batch), width), -100, dtype=torch.long)
+    for row, ids in enumerate(batch):
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        targets[row, : len(ids) - 1] = torch.tensor(ids[1:])
+    # shift_labels are already aligned with the logits; num_items_in_batch=1 turns the
+    # model's mean into a sum, so batches of any size add up exactly.
+    out = model(input_ids.to(device), shift_labels=targets.to(device), num_items_in_batch=1)
+    return docs + len(batch), tokens + int((targets != -100).sum()), total_loss + out.loss.item()
+
+
+def interactive(model, tokenizer, args):
+    print("Type a prompt and press Enter (empty line or Ctrl-D quits).")
+    while True:
+        try:
+            prompt = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return
+        if not prompt.strip():
+            return
+        generate_text(model, tokenizer, prompt, args)
+
+
+# -----------------------------------------------------------------------------
+# command line
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        # One line instead of usage + message; --help still shows the usage.
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def parse_args(argv=None):
+    p = _Parser(description=__doc__.split("\n")[0])
+    p.add_argument("--weight_path", help="weights .pth or resume checkpoint (default: out/pretrain_{hidden}[_moe].pth)")
+    p.add_argument("--hf_dir", help="a folder written by scripts/convert_model.py, instead of --weight_path")
+    for name in SHAPE_FLAGS:
+        p.add_argument(f"--{name}", type=int, default=None,
+                       help=f"model shape (default {flag_default(name)}; a stored config wins)")
+    p.add_argument("--tokenizer_path", help="tokenizer folder (default: --hf_dir if it has one, else model/)")
+    p.add_argument("--prompt", action="append", default=[], help="text to continue; repeatable")
+    p.add_argument("--max_new_tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.85)
+    p.add_argument("--top_p", type=float, default=0.85)
+    p.add_argument("--top_k", type=int, default=0, help="0 disables top-k filtering")
+    p.add_argument("--do_sample", type=int, choices=(0, 1), default=1, help="1 samples, 0 is greedy")
+    p.add_argument("--greedy", action="store_true", help="same as --do_sample 0")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda[:N]")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--ppl_data", help="held-out .jsonl ({\"text\": ...} per line) to measure perplexity on")
+    p.add_argument("--ppl_max_docs", type=int, default=None, help="only the first N documents")
+    p.add_argument("--max_seq_len", type=int, default=512, help="truncate --ppl_data documents to this many tokens")
+    args = p.parse_args(argv)
+    if args.greedy:
+        args.do_sample = 0
+    if args.weight_path and args.hf_dir:
+        p.error("pass --weight_path or --hf_dir, not both")
+    if args.use_moe not in (None, 0, 1):
+        p.error(f"--use_moe must be 0 or 1, got {args.use_moe}")
+    if args.ppl_data and not Path(args.ppl_data).is_file():
+        p.error(f"--ppl_data {args.ppl_data}: file not found: pass an existing .jsonl file")
+    if args.ppl_max_docs is not None and args.ppl_max_docs < 1:
+        p.error(f"--ppl_max_docs must be at least 1, got {args.ppl_max_docs}")
+    if args.max_seq_len < 2:
+        p.error(f"--max_seq_len must be at least 2 (room for BOS and EOS), got {args.max_seq_len}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {args.device} but CUDA is not available here: pass --device cpu")
+    if not (args.prompt or args.ppl_data or sys.stdin.isatty()):
+        p.error("nothing to do: pass --prompt TEXT or --ppl_data FILE.jsonl (or run in a terminal to chat)")
+    return args
+
+
+def load_tokenizer(args):
+    path = args.tokenizer_path
+    if path is None:
+        hf_dir = Path(args.hf_dir) if args.hf_dir else None
+        path = hf_dir if hf_dir and (hf_dir / "tokenizer_config.json").is_file() else REPO_ROOT / "model"
+    if not (Path(path) / "tokenizer_config.json").is_file():
+        raise WeightsError(f"{path}: no tokenizer there (tokenizer_config.json): "
+                           f"pass --tokenizer_path the tokenizer folder")
+    return AutoTokenizer.from_pretrained(path)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        tokenizer = load_tokenizer(args)
+        flags = {name: getattr(args, name) for name in SHAPE_FLAGS}
+        weight_path = args.weight_path
+        if weight_path is None and args.hf_dir is None:
+            weight_path = default_weight_path(REPO_ROOT / "out", args.hidden_size, args.use_moe)
+        model, source = load_model(weight_path, args.hf_dir, **flags)
+        if len(tokenizer) > model.config.vocab_size:
+            raise WeightsError(f"{tokenizer.name_or_path}: tokenizer has {len(tokenizer)} tokens but the model only "
+                               f"{model.config.vocab_size}: pass --tokenizer_path the tokenizer it was trained with")
+        model.to(args.device)
+        torch.manual_seed(args.seed)
+        if args.ppl_data:
+            docs, tokens, loss = perplexity(model, tokenizer, args.ppl_data, args.ppl_max_docs, args.max_seq_len)
+            print(f"ppl_data={args.ppl_data} docs={docs} tokens={tokens} loss={loss:.6f} ppl={math.exp(loss):.6f}")
+    except (WeightsError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    for prompt in args.prompt:
+        generate_text(model, tokenizer, prompt, args)
+    if not args.prompt and not args.ppl_data:
+        print(f"[{source}]")
+        interactive(model, tokenizer, args)
+
+
+if __name__ == "__main__":
+    main()
