@@ -1,4 +1,5 @@
 """Launch train_pretrain.py the ways users do, on tiny CPU configs, for the tests."""
+import json
 import os
 import socket
 import subprocess
@@ -54,12 +55,27 @@ def run_training(nproc, args, tmp_path, launcher="torchrun", env=None, timeout=2
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
 
 
+def start_training(nproc, args, tmp_path, launcher="torchrun", env=None, cwd=None) -> subprocess.Popen:
+    """Like run_training, but returns at once; read with .communicate(timeout=...)."""
+    return subprocess.Popen(train_cmd(nproc, args, launcher), cwd=cwd or tmp_path, env=run_env(tmp_path, env),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def read_metrics(run_dir, prefix="pretrain_64", kind="train") -> list[dict]:
+    """Rows of `kind` from {run_dir}/out/{prefix}_metrics.jsonl, in file order."""
+    with open(Path(run_dir) / "out" / f"{prefix}_metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [row for row in rows if row.get("kind") == kind]
+
+
 def load_checkpoint(path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def latest_checkpoint(run_dir, prefix="pretrain_64") -> dict:
-    return load_checkpoint(Path(run_dir) / "ckpt" / f"{prefix}_resume.pth")
+def latest_checkpoint(run_dir, prefix="pretrain_64", suffix=".pth") -> dict:
+    """The newest resume checkpoint; for a sharded (.dcp) one, its trainer state."""
+    path = Path(run_dir) / "ckpt" / f"{prefix}_resume{suffix}"
+    return load_checkpoint(path / "trainer_state.pt" if suffix == ".dcp" else path)
 
 
 def max_abs_diff(state_a: dict, state_b: dict) -> float:

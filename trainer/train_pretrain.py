@@ -101,7 +101,6 @@ def train(args, env) -> int:
     dtype = resolve_dtype(args, env.device)
     device_type = "cuda" if env.device.startswith("cuda") else "cpu"
     autocast = nullcontext() if dtype == torch.float32 else torch.autocast(device_type, dtype=dtype)
-    setup_seed(args.seed + env.rank)
     world_size, rank = env.world_size, env.rank
 
     # ------------------------------------------------------------------ 2. tokenizer, model config, data
@@ -132,7 +131,11 @@ def train(args, env) -> int:
     total_steps = args.max_steps or args.epochs * steps_per_epoch
 
     # ------------------------------------------------------------------ 3. model, parallelism, optimizer
+    # The same initial weights on every rank: FSDP shards them as they are, with no
+    # broadcast from rank 0 as DDP does. Per-rank streams (dropout) are seeded after.
+    setup_seed(args.seed)
     model = init_model(config, args.from_weight, env.device)
+    setup_seed(args.seed + rank)
     active_params = count_parameters(model)[1]
     sharded = args.parallel == "fsdp" and env.distributed
     net = wrap_model(model, args, env)  # FSDP shards `model` in place, so the optimizer comes after
