@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM, count_parameters
+from model.weights import WeightsError, build_model, load_weights
 
 
 class UserError(Exception):
@@ -144,40 +145,21 @@ def model_config_from_args(args, vocab_size: int) -> MiniMindConfig:
 
 
 def init_model(config: MiniMindConfig, from_weight: str | None = None, device="cpu") -> MiniMindForCausalLM:
-    """Build the model in fp32, optionally load `--from_weight`, and print its size."""
-    model = MiniMindForCausalLM(config)
+    """Build the model in fp32, optionally from `--from_weight`, and print its size."""
     if from_weight:
-        load_weights_into(model, from_weight)
+        try:
+            model = build_model(load_weights(from_weight), config, f"--from_weight {from_weight}").train()
+        except WeightsError as exc:
+            raise UserError(str(exc)) from None
         Logger(f"loaded weights from {from_weight}")
+    else:
+        model = MiniMindForCausalLM(config)
     total, active = count_parameters(model)
     if config.use_moe:
         Logger(f"model: {total / 1e6:.2f}M parameters, {active / 1e6:.2f}M active per token")
     else:
         Logger(f"model: {total / 1e6:.2f}M parameters")
     return model.to(device)
-
-
-def load_weights_into(model: torch.nn.Module, path: str):
-    """Load a seed-format `.pth` (half-precision state_dict) or a resume checkpoint."""
-    if not os.path.isfile(path):
-        raise UserError(f"--from_weight {path} not found")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # a corrupt file should name itself, not show pickle internals
-        raise UserError(f"--from_weight {path} is not a readable weight file ({type(exc).__name__})") from None
-    if isinstance(state, dict) and "model" in state and "model_config" in state:
-        state = state["model"]
-    own = model.state_dict()
-    for name, tensor in state.items():
-        if name in own and own[name].shape != tensor.shape:
-            raise UserError(
-                f"--from_weight {path}: {name} has shape {tuple(tensor.shape)} but the model built from the flags "
-                f"expects {tuple(own[name].shape)}; pass the --hidden_size/--num_hidden_layers/--use_moe it was trained with"
-            )
-    missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
-    missing = [k for k in missing if k != "lm_head.weight"]  # tied to the embedding
-    if missing or unexpected:
-        raise UserError(f"--from_weight {path} does not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
 
 
 # MiniMind keeps lm_checkpoint here; ours lives with the rest of checkpointing. Imported
