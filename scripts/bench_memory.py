@@ -1,0 +1,83 @@
+"""Peak memory of one training step with and without --grad_checkpointing.
+
+    python scripts/bench_memory.py [--hidden_size 512 --num_hidden_layers 8 --max_seq_len 1024 --batch_size 4]
+
+Each mode runs in a fresh process (forward, backward, AdamW step, twice) so its
+peak RSS is its own; on CUDA the peak allocated memory is reported instead.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--hidden_size", type=int, default=512)
+    p.add_argument("--num_hidden_layers", type=int, default=8)
+    p.add_argument("--max_seq_len", type=int, default=1024)
+    p.add_argument("--batch_size", type=int, default=4)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    return p.parse_args()
+
+
+def one_step(args):
+    """Runs in the child: report seconds per step and the CUDA peak (if any) as JSON."""
+    import torch
+
+    from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+
+    torch.manual_seed(0)
+    config = MiniMindConfig(hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers)
+    model = MiniMindForCausalLM(config).to(args.device).train()
+    model.model.gradient_checkpointing = bool(args.child)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(3, config.vocab_size, (args.batch_size, args.max_seq_len), device=args.device)
+    start = time.time()
+    for _ in range(2):
+        model(ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    result = {"s_per_step": (time.time() - start) / 2}
+    if args.device.startswith("cuda"):
+        result["cuda_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    print(json.dumps(result))
+
+
+def measure(args, checkpointing: int) -> dict:
+    cmd = [sys.executable, __file__, "--child", str(checkpointing), "--hidden_size", str(args.hidden_size),
+           "--num_hidden_layers", str(args.num_hidden_layers), "--max_seq_len", str(args.max_seq_len),
+           "--batch_size", str(args.batch_size), "--device", args.device]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    output = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"child failed: {output}")
+    return dict(json.loads(output.strip().splitlines()[-1]), peak_rss_mib=usage.ru_maxrss / 1024)
+
+
+def main():
+    args = parse_args()
+    if args.child is not None:
+        return one_step(args)
+    rows = {"off": measure(args, 0), "on": measure(args, 1)}
+    print(f"hidden {args.hidden_size}, {args.num_hidden_layers} layers, seq {args.max_seq_len}, "
+          f"batch {args.batch_size}, {args.device}, fp32\n")
+    key = "cuda_peak_mib" if args.device.startswith("cuda") else "peak_rss_mib"
+    print(f"{'grad_checkpointing':<20}{'peak MiB':>10}{'s/step':>9}")
+    for name, row in rows.items():
+        print(f"{name:<20}{row[key]:>10,.0f}{row['s_per_step']:>9.2f}")
+    saved = rows["off"][key] - rows["on"][key]
+    print(f"\nsaved {saved:,.0f} MiB ({saved / rows['off'][key]:.0%}) for "
+          f"{rows['on']['s_per_step'] / rows['off']['s_per_step']:.2f}x the step time")
+
+
+if __name__ == "__main__":
+    main()
