@@ -10,6 +10,7 @@ The first term is the forward (2N) and backward (4N) matmuls, the second the
 attention scores and weighted sums. MFU = FLOPs/token * tokens/s / device peak.
 """
 import json
+import netrc
 import os
 import sys
 import time
@@ -37,6 +38,16 @@ def device_peak_flops(device: str, override_tflops: float = 0) -> float | None:
         if key in name:
             return tflops * 1e12
     return None
+
+
+def _wandb_key_available() -> bool:
+    """An API key in the environment or from `wandb login` (stored in ~/.netrc)."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
 
 
 class RunLogger:
@@ -73,13 +84,18 @@ class RunLogger:
     def _start_wandb(self, args, prefix):
         import wandb
 
-        if not os.environ.get("WANDB_API_KEY") and os.environ.get("WANDB_MODE") != "online":
-            # No key (or no network to check one): log locally; `wandb sync` uploads later.
-            os.environ.setdefault("WANDB_MODE", "offline")
-        mode = os.environ.get("WANDB_MODE", "online")
-        self.wandb = wandb.init(project=args.wandb_project, name=prefix, id=self.wandb_run_id, resume="allow",
-                                dir=args.save_dir, config=vars(args))
+        if os.environ.get("WANDB_MODE") != "online" and not _wandb_key_available():
+            os.environ["WANDB_MODE"] = "offline"  # log locally; `wandb sync` uploads later
+        init = dict(project=args.wandb_project, name=prefix, id=self.wandb_run_id, resume="allow",
+                    dir=args.save_dir, config=vars(args))
+        try:
+            self.wandb = wandb.init(**init)
+        except Exception as exc:  # a key but no route to the server must not cost the run
+            print(f"wandb: cannot reach the server ({type(exc).__name__}); logging offline instead", flush=True)
+            os.environ["WANDB_MODE"] = "offline"
+            self.wandb = wandb.init(**init)
         self.wandb_run_id = self.wandb.id
+        mode = os.environ.get("WANDB_MODE") or "online"
         print(f"wandb: run {self.wandb.id} ({mode})" + (", sync later with `wandb sync`" if mode == "offline" else ""),
               flush=True)
 
