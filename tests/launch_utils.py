@@ -55,6 +55,15 @@ def run_training(nproc, args, tmp_path, launcher="torchrun", env=None, timeout=2
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
 
 
+def ensure_demo_corpus() -> Path:
+    """Build the trainer's default corpus here, once, before launching runs side by side
+    (on a fresh checkout each would otherwise build its own copy)."""
+    from scripts.build_demo_corpus import ensure_demo_corpus as build_if_missing
+    from trainer.args import DEMO_CORPUS
+
+    return build_if_missing(DEMO_CORPUS)
+
+
 def start_training(nproc, args, tmp_path, launcher="torchrun", env=None, cwd=None) -> subprocess.Popen:
     """Like run_training, but returns at once; read with .communicate(timeout=...)."""
     return subprocess.Popen(train_cmd(nproc, args, launcher), cwd=cwd or tmp_path, env=run_env(tmp_path, env),

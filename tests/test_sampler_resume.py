@@ -1,0 +1,204 @@
+"""ResumableDistributedSampler: sharding and set_start; resuming on another world size
+with the trainer's own arithmetic (no sample seen twice or skipped); then the same
+end to end: 2 processes to step 4, resumed by 1 process."""
+import math
+import re
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+from torch.utils.data import Dataset
+
+from tests.launch_utils import TINY, latest_checkpoint, out_args, read_metrics, run_training
+from trainer.data import ResumableDistributedSampler, make_train_loader, resume_step
+
+N = 203  # odd, and not a multiple of any global batch below: DistributedSampler pads, steps leave a tail
+SEED = 42
+
+
+class Indices(Dataset):
+    """Sample i is the number i, so a batch says which samples it holds."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return i
+
+
+def shares(world, epoch=0, start=0, n=N):
+    out = []
+    for rank in range(world):
+        sampler = ResumableDistributedSampler(Indices(n), world, rank, seed=SEED)
+        sampler.set_epoch(epoch)
+        sampler.set_start(start)
+        out.append(list(sampler))
+    return out
+
+
+# ---------------------------------------------------------------------------- sharding
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_ranks_are_disjoint_and_cover_the_dataset(world):
+    parts = shares(world)
+    padded = math.ceil(N / world) * world
+    assert [len(p) for p in parts] == [padded // world] * world
+    flat = [i for part in parts for i in part]
+    assert set(flat) == set(range(N))
+    # Only DistributedSampler's padding (the first padded - N positions, repeated) occurs twice.
+    repeats = Counter(flat) - Counter(range(N))
+    assert sum(repeats.values()) == padded - N
+    for a in range(world):
+        for b in range(a + 1, world):
+            assert len(set(parts[a]) & set(parts[b])) <= padded - N
+
+
+def test_set_epoch_reshuffles_deterministically():
+    epoch0, epoch1 = shares(2, epoch=0), shares(2, epoch=1)
+    assert epoch0 != epoch1
+    for part0, part1 in zip(epoch0, epoch1):
+        assert part0 != part1
+    assert set(sum(epoch1, [])) == set(range(N))
+    assert shares(2, epoch=1) == epoch1  # same seed and epoch, same order on every rank and run
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("k", [0, 1, 7, 50])
+def test_set_start_skips_exactly_the_first_k_of_a_share(world, k):
+    full = shares(world)
+    for rank, part in enumerate(shares(world, start=k)):
+        assert part == full[rank][k:]
+        sampler = ResumableDistributedSampler(Indices(N), world, rank, seed=SEED)
+        sampler.set_start(k)
+        assert len(sampler) == len(full[rank]) - k
+
+
+# ---------------------------------------------------------------------------- resume across world sizes
+def consumed(world, batch, accum, start_step, end_step, n=N):
+    """Section 6 of train_pretrain.py without the model: every rank's sampler and
+    loader driven as the loop drives them. Returns {global step: set of samples}."""
+    dataset = Indices(n)
+    samples_per_step = batch * world * accum
+    steps_per_epoch = n // samples_per_step
+    loader_args = SimpleNamespace(batch_size=batch, num_workers=0)
+    samplers = [ResumableDistributedSampler(dataset, world, rank, seed=SEED) for rank in range(world)]
+    loaders = [make_train_loader(dataset, s, loader_args, pin_memory=False) for s in samplers]
+    steps, global_step = {}, start_step
+    while global_step < end_step:
+        epoch, step_in_epoch = divmod(global_step, steps_per_epoch)
+        batches = []
+        for sampler, loader in zip(samplers, loaders):
+            sampler.set_epoch(epoch)
+            sampler.set_start(step_in_epoch * batch * accum)  # the loop's line
+            batches.append(iter(loader))
+        for _ in range(step_in_epoch, steps_per_epoch):
+            if global_step >= end_step:
+                break
+            taken = [i for it in batches for _ in range(accum) for i in next(it).tolist()]
+            assert len(taken) == len(set(taken)) == samples_per_step
+            steps[global_step] = (epoch, set(taken))
+            global_step += 1
+    return steps, steps_per_epoch
+
+
+def epoch_order(epoch, n=N):
+    return shares(1, epoch=epoch, n=n)[0]
+
+
+def resume(saved_step, old, new):
+    """Train `old` = (world, batch, accum) to saved_step, resume with `new` to the end of
+    that epoch, as section 4 does: returns the samples of that epoch in order of use."""
+    old_steps, old_per_epoch = consumed(*old, 0, saved_step)
+    epoch, step_in_epoch = divmod(saved_step, old_per_epoch)  # what checkpoint() records
+    old_sps, new_sps = old[0] * old[1] * old[2], new[0] * new[1] * new[2]
+    new_per_epoch = N // new_sps
+    start = epoch * new_per_epoch + resume_step(step_in_epoch, old_sps, new_sps)
+    new_steps, _ = consumed(*new, start, (epoch + 1) * new_per_epoch)
+    before = [s for e, s in old_steps.values() if e == epoch]
+    after = [s for e, s in new_steps.values() if e == epoch]
+    return epoch, before, after, new_per_epoch * new_sps
+
+
+@pytest.mark.parametrize("saved_step", [5, 25 + 3])  # in epoch 0, and in epoch 1 (25 steps of 8 per epoch)
+@pytest.mark.parametrize("new", [(1, 2, 2), (1, 4, 1), (1, 1, 4)], ids=["b2a2", "b4a1", "b1a4"])
+def test_two_ranks_to_one_neither_repeats_nor_skips(saved_step, new):
+    epoch, before, after, covered = resume(saved_step, old=(2, 2, 2), new=new)
+    seen = [i for step in before + after for i in step]
+    assert len(seen) == len(set(seen)), "a sample was seen twice in the epoch"
+    order = epoch_order(epoch)
+    assert set(seen) == set(order[:covered]), "the resumed run skipped samples"
+    if epoch:  # and the first epoch was complete before it
+        assert len(before) == saved_step - 25
+
+
+@pytest.mark.parametrize("saved_step", [6, 50 + 8])  # even: the consumed samples fill whole 2-rank steps
+def test_one_rank_to_two_neither_repeats_nor_skips(saved_step):
+    epoch, before, after, covered = resume(saved_step, old=(1, 2, 2), new=(2, 2, 2))
+    seen = [i for step in before + after for i in step]
+    assert len(seen) == len(set(seen))
+    assert set(seen) == set(epoch_order(epoch)[:covered])
+
+
+def test_resume_mid_step_redoes_the_partial_step_and_skips_nothing():
+    """1 rank stopped after 7 steps of 4 = 28 samples; a 2-rank step holds 8, so the
+    resume starts at step 3 (24 samples) and sees samples 24..27 of the epoch again."""
+    assert resume_step(7, 4, 8) == 3
+    epoch, before, after, covered = resume(7, old=(1, 2, 2), new=(2, 2, 2))
+    seen = [i for step in before + after for i in step]
+    twice = [i for i, c in Counter(seen).items() if c > 1]
+    assert set(twice) == set(epoch_order(epoch)[24:28])
+    assert set(seen) == set(epoch_order(epoch)[:covered])
+
+
+def test_same_global_batch_same_samples_per_step_on_any_topology():
+    reference, _ = consumed(2, 2, 2, 0, 30)
+    for world, batch, accum in [(1, 8, 1), (1, 2, 4), (4, 1, 2), (8, 1, 1)]:
+        steps, _ = consumed(world, batch, accum, 0, 30)
+        assert steps == reference, (world, batch, accum)
+
+
+# ---------------------------------------------------------------------------- end to end
+K1, K2 = 4, 12  # 2 processes x batch 4 to step 4 = 32 samples = step 8 of 1 process x batch 4
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("resume")
+    first = run_training(2, [*TINY, *out_args(run_dir), "--max_steps", str(K1), "--save_interval", str(K1)], run_dir)
+    assert first.returncode == 0, first.stdout[-3000:]
+    saved = latest_checkpoint(run_dir)
+    second = run_training(1, [*TINY, *out_args(run_dir), "--from_resume", "1", "--max_steps", str(K2)], run_dir,
+                          launcher="python")
+    return run_dir, saved, second
+
+
+def test_first_run_saved_a_two_process_checkpoint(resumed):
+    _, saved, _ = resumed
+    assert (saved["world_size"], saved["global_step"], saved["step_in_epoch"], saved["epoch"]) == (2, K1, K1, 0)
+    assert saved["samples_per_step"] == 4 * 2 and len(saved["rng"]) == 2
+
+
+def test_one_process_resume_logs_the_rescale_once(resumed):
+    _, _, second = resumed
+    assert second.returncode == 0, second.stdout[-3000:]
+    lines = [line for line in second.stdout.splitlines() if line.startswith("resume: world size")]
+    assert lines == [f"resume: world size 2 -> 1, step {K1} -> {2 * K1} of epoch 0 "
+                     f"(step * 8 samples // 4 samples per step)"]
+    assert re.search(rf"resumed from \S+_resume_step{K1:07d}\.pth at step {2 * K1}/{K2}", second.stdout)
+
+
+def test_max_steps_counts_rescaled_steps(resumed):
+    """--max_steps is the run's total in this run's step size, the saved steps included
+    after rescaling: 4 steps of 8 samples count as 8 of 4, so --max_steps 12 trains 4 more."""
+    run_dir, saved, second = resumed
+    assert second.returncode == 0, second.stdout[-3000:]
+    final = latest_checkpoint(run_dir)
+    assert (final["world_size"], final["global_step"], final["step_in_epoch"]) == (1, K2, K2)
+    assert final["samples_per_step"] == 4 and len(final["rng"]) == 1
+    assert final["tokens_seen"] > saved["tokens_seen"]
+    steps = [row["step"] for row in read_metrics(run_dir)]
+    assert steps == [*range(1, K1 + 1), *range(2 * K1 + 1, K2 + 1)]
+    assert f"done: {K2} steps" in second.stdout
+    assert (run_dir / "out" / "pretrain_64.pth").is_file()
