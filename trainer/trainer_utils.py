@@ -162,6 +162,12 @@ def init_model(config: MiniMindConfig, from_weight: str | None = None, device="c
     return model.to(device)
 
 
-# MiniMind keeps lm_checkpoint here; ours lives with the rest of checkpointing. Imported
-# last because trainer.checkpoint itself imports the helpers above.
-from trainer.checkpoint import lm_checkpoint  # noqa: E402,F401
+# MiniMind keeps lm_checkpoint here; ours lives with the rest of checkpointing. Resolved
+# on first use (PEP 562), since trainer.checkpoint itself imports the helpers above: an
+# import at module level here would fail whenever trainer.checkpoint is imported first.
+def __getattr__(name):
+    if name == "lm_checkpoint":
+        from trainer.checkpoint import lm_checkpoint
+
+        return lm_checkpoint
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
