@@ -9,6 +9,7 @@ Each variant is a real train_pretrain.py run on the same model and corpus:
     c  packed + --use_compile 1
     d  packed, torchrun with 2 processes
     e  packed, with glibc malloc tuned (MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_)
+    f  packed + --doc_mask 1 (attention kept inside documents: explicit SDPA mask)
 
 Every process runs one thread, so on a 2-core machine (d) shows what a second
 process buys. Variants run in rounds, a, b, c, ... then again, so slow and fast
@@ -39,12 +40,13 @@ VARIANTS = {
     "c": ("packed + compile", 1, DEMO_BIN, ["--use_compile", "1"], {}),
     "d": ("packed, torchrun x2", 2, DEMO_BIN, [], {}),
     "e": ("packed + malloc env", 1, DEMO_BIN, [], MALLOC_TUNING),
+    "f": ("packed + doc_mask", 1, DEMO_BIN, ["--doc_mask", "1"], {}),
 }
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--variants", default="abcde", help="which variants to run, e.g. abd")
+    p.add_argument("--variants", default="abcdef", help="which variants to run, e.g. abd")
     p.add_argument("--steps", type=int, default=20, help="timed optimizer steps per variant and round")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation happens here)")
     p.add_argument("--rounds", type=int, default=2)
