@@ -3,6 +3,7 @@ with the trainer's own arithmetic (no sample seen twice or skipped); then the sa
 end to end: 2 processes to step 4, resumed by 1 process."""
 import math
 import re
+import shutil
 from collections import Counter
 from types import SimpleNamespace
 
@@ -202,3 +203,28 @@ def test_max_steps_counts_rescaled_steps(resumed):
     assert steps == [*range(1, K1 + 1), *range(2 * K1 + 1, K2 + 1)]
     assert f"done: {K2} steps" in second.stdout
     assert (run_dir / "out" / "pretrain_64.pth").is_file()
+
+
+def test_a_finished_run_resumed_again_trains_nothing_and_keeps_its_checkpoint(resumed, tmp_path):
+    run_dir = tmp_path / "again"
+    shutil.copytree(resumed[0], run_dir)
+    before = sorted(p.name for p in (run_dir / "ckpt").iterdir())
+    again = run_training(1, [*TINY, *out_args(run_dir), "--from_resume", "1", "--max_steps", str(K2)], tmp_path,
+                         launcher="python")
+    assert again.returncode == 0, again.stdout[-3000:]
+    assert "nothing left to train" in again.stdout
+    assert sorted(p.name for p in (run_dir / "ckpt").iterdir()) == before
+
+
+def test_resume_picks_the_most_trained_checkpoint_not_the_highest_step(resumed, tmp_path):
+    """1 process left step 12 (48 samples); 2 processes resume at step 6 and save step 8
+    (64 samples). Step 8 is the newer checkpoint although its number is smaller."""
+    run_dir = tmp_path / "grow"
+    shutil.copytree(resumed[0], run_dir)
+    grown = run_training(2, [*TINY, *out_args(run_dir), "--from_resume", "1", "--max_steps", "8"], tmp_path)
+    assert grown.returncode == 0, grown.stdout[-3000:]
+    assert "at step 6/8" in grown.stdout
+    assert latest_checkpoint(run_dir)["global_step"] == 8
+    third = run_training(2, [*TINY, *out_args(run_dir), "--from_resume", "1", "--max_steps", "10"], tmp_path)
+    assert third.returncode == 0, third.stdout[-3000:]
+    assert re.search(r"resumed from \S+_resume_step0000008\.pth at step 8/10", third.stdout)

@@ -51,14 +51,24 @@ def step_path(checkpoint_dir, prefix, global_step, sharded=False) -> str:
 
 
 def list_checkpoints(checkpoint_dir, prefix="*") -> list[str]:
-    """Step checkpoints (files and DCP folders) of this run, newest first."""
+    """Step checkpoints (files and DCP folders) of this run, newest first.
+
+    Newest means most tokens trained, as recorded at save time: step numbers are not
+    comparable across world sizes (a step of 2 processes is 2 steps of 1). Unrecorded
+    ones (an interrupted save) sort last; they are skipped on load anyway.
+    """
     pattern = os.path.join(glob.escape(checkpoint_dir), f"{prefix if prefix == '*' else glob.escape(prefix)}_resume_step*")
     paths = [p for p in glob.glob(pattern) if re.search(r"_resume_step\d+\.(pth|dcp)$", p)]
-    return sorted(paths, key=_step_of, reverse=True)
+    return sorted(paths, key=_progress_of, reverse=True)
 
 
-def _step_of(path) -> int:
-    return int(re.search(r"_resume_step(\d+)\.", path).group(1))
+def _progress_of(path) -> tuple:
+    step = int(re.search(r"_resume_step(\d+)\.", path).group(1))
+    try:
+        with open(f"{path}.json") as f:
+            return (json.load(f)["tokens_seen"], step)
+    except (OSError, ValueError, KeyError, TypeError):
+        return (-1, step)
 
 
 # ---------------------------------------------------------------------------- RNG state
@@ -154,9 +164,11 @@ def _remove(path):
         os.remove(path)
 
 
-def _publish(path, checkpoint_dir, prefix, keep_last, global_step):
+def _publish(path, checkpoint_dir, prefix, keep_last, trainer_state):
     """Rank 0, once `path` is complete: record it, point `latest` at it, drop the oldest."""
-    _atomic_write_text(f"{path}.json", json.dumps({"global_step": global_step, "files": _file_records(path)}))
+    record = {"global_step": trainer_state["global_step"], "tokens_seen": trainer_state["tokens_seen"],
+              "world_size": trainer_state["world_size"], "files": _file_records(path)}
+    _atomic_write_text(f"{path}.json", json.dumps(record))
     _point_latest(checkpoint_dir, prefix, path)
     for old in list_checkpoints(checkpoint_dir, prefix)[max(1, keep_last):]:
         _remove(f"{old}.json")  # unrecord first: a kill in between leaves an ignored leftover
@@ -187,7 +199,7 @@ def save_checkpoint(trainer_state: dict, model, optimizer, checkpoint_dir: str, 
     elif is_main_process():
         atomic_torch_save(dict(trainer_state, model=model_state, optimizer=optim_state), path)
     if is_main_process():
-        _publish(path, checkpoint_dir, prefix, keep_last, trainer_state["global_step"])
+        _publish(path, checkpoint_dir, prefix, keep_last, trainer_state)
     barrier()
     return path
 

@@ -152,7 +152,7 @@ def train(args, env) -> int:
         scaler.load_state_dict(state["scaler"])
         # Samples already consumed in the saved epoch, re-expressed in this run's step size.
         step_in_epoch = resume_step(state["step_in_epoch"], state["samples_per_step"], samples_per_step)
-        start_step = min(state["epoch"] * steps_per_epoch + step_in_epoch, total_steps)
+        start_step = state["epoch"] * steps_per_epoch + step_in_epoch
         tokens_seen, wandb_id = state["tokens_seen"], state.get("wandb_run_id")
         if state["world_size"] == world_size:
             restore_rng_state(state["rng"][rank])
@@ -162,6 +162,11 @@ def train(args, env) -> int:
                    f"// {samples_per_step} samples per step)")
         Logger(f"resumed from {state['path']} at step {start_step}/{total_steps}")
         del state
+        if start_step >= total_steps:
+            # Saving now would re-label the checkpoint in this run's step units; leave it be.
+            Logger(f"nothing left to train: the checkpoint is at step {start_step} of {total_steps} "
+                   f"(raise --max_steps or --epochs to train further)")
+            return 0
 
     # ------------------------------------------------------------------ 5. loaders, logging
     pin = device_type == "cuda"
@@ -191,7 +196,7 @@ def train(args, env) -> int:
         }, model, optimizer, args.checkpoint_dir, prefix, args.keep_last, sharded)
 
     # ------------------------------------------------------------------ 6. train
-    global_step, bad_steps, last_saved = start_step, 0, -1
+    global_step, bad_steps = start_step, 0
     window_start, window_steps, window_tokens = time.time(), 0, 0.0
     while global_step < total_steps:
         epoch, step_in_epoch = divmod(global_step, steps_per_epoch)
@@ -247,14 +252,11 @@ def train(args, env) -> int:
 
             if global_step % args.save_interval == 0 or global_step == total_steps or stop:
                 checkpoint(global_step)
-                last_saved = global_step
             if stop:
                 Logger(f"preempted: saved step {global_step} to {args.checkpoint_dir}; "
                        f"resume with --from_resume 1")
                 log.close()
                 return 128 + (preempt.signum or 15)
-    if last_saved != global_step:
-        checkpoint(global_step)  # e.g. a resume that found the run already complete
     log.close()
     Logger(f"done: {global_step} steps, {tokens_seen:,} tokens; weights in {args.save_dir}/{prefix}.pth")
     return 0
