@@ -19,23 +19,36 @@ is 0 or unset), so a restarted group runs clean.
 """
 import os
 import signal
+import time
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class PreemptionFlag:
+    # One request often arrives twice: Ctrl-C (or Slurm's scancel) signals torchrun and
+    # every worker, then torchrun forwards its own copy to the workers. Repeats within
+    # this many seconds of the first are that echo, not an impatient user.
+    repeat_grace_s = 2.0
+
     def __init__(self):
         self.signum = 0
+        self._first_at = 0.0
 
     def install(self):
         for sig in PREEMPTION_SIGNALS:
             signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, frame):
-        self.signum = signum
-        # A second Ctrl-C or SIGTERM should kill at once, as users expect.
+        now = time.monotonic()
+        if not self.signum:
+            self.signum, self._first_at = signum, now
+            return
+        if now - self._first_at < self.repeat_grace_s:
+            return
+        # A second Ctrl-C or SIGTERM later on kills at once, as users expect.
         for sig in PREEMPTION_SIGNALS:
             signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
     @property
     def requested(self) -> bool:
