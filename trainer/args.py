@@ -90,6 +90,9 @@ def check_args(args, cuda_available: bool):
         raise UserError(f"--hidden_size must be a multiple of 8 (8 attention heads), got {args.hidden_size}")
     if args.dtype == "float16" and not cuda_available:
         raise UserError("--dtype float16 needs CUDA (its GradScaler is CUDA-only); on CPU use --dtype bfloat16 or float32")
+    if args.parallel == "fsdp" and args.dtype == "float16":
+        raise UserError("--parallel fsdp trains in bfloat16 or float32 (no sharded GradScaler here); "
+                        "pass --dtype bfloat16")
     if args.parallel == "fsdp" and args.use_compile:
         raise UserError("--use_compile 1 is not supported with --parallel fsdp yet; drop one of them")
 

@@ -69,7 +69,8 @@ def full_state_dict(model) -> dict:
 def weights_finite(model) -> bool:
     """True when no rank holds a NaN or Inf weight (each rank checks what it holds)."""
     local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
-    bad = torch.tensor(float(not all(torch.isfinite(p).all() for p in local)))
+    # On the parameters' device: NCCL cannot reduce CPU tensors.
+    bad = torch.tensor(float(not all(torch.isfinite(p).all() for p in local)), device=local[0].device)
     if dist.is_initialized():
         dist.all_reduce(bad)
     return bad.item() == 0
