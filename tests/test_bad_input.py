@@ -1,0 +1,90 @@
+"""Bad data and bad flags cost one line, not a run: a message naming the flag, file or
+line, printed once (by rank 0), a non-zero exit, no hang, no Python traceback, and the
+checkpoints already in --checkpoint_dir left byte for byte as they were.
+
+Data cases run under 2-process torchrun (every rank reads the data; only rank 0 may
+speak). torchrun itself answers any worker's non-zero exit with its own
+ChildFailedError report (a traceback of torchrun's frames) and rc 1; the workers exit 2.
+Flag cases are checked before any data or process-group work, so one process shows them.
+"""
+import os
+
+import pytest
+
+from tests.fault_helpers import error_lines, job, outputs_digest, run_all, worker_tracebacks
+from tests.launch_utils import TINY, out_args
+
+DATA = {
+    # name: (file bytes or None for a missing file, expected message fragment)
+    "not_json": (b'{"text": "fine"}\n{"text": "fine"}\nnot json at all\n', "data.jsonl:3: not valid JSON"),
+    "no_text_field": (b'{"text": "fine"}\n{"content": "x"}\n', 'data.jsonl:2: JSON object has no "text" field'),
+    "empty_file": (b"", "data.jsonl: file is empty (0 bytes)"),
+    "missing_file": (None, "data.jsonl: not found: pass --data_path"),
+    "not_utf8": (b'{"text": "fine"}\n{"text": "caf\xe9"}\n', "data.jsonl:2: not valid UTF-8 (byte 0xe9"),
+    "fewer_than_a_batch": (b'{"text": "one"}\n{"text": "two"}\n{"text": "three"}\n',
+                           "--data_path {data}: 3 training samples, fewer than one global batch of 8 "
+                           "(--batch_size 4 x 2 processes x 1 accumulation steps)"),
+}
+FLAGS = {
+    "batch_size_0": (["--batch_size", "0"], "--batch_size must be at least 1, got 0"),
+    "accumulation_steps_0": (["--accumulation_steps", "0"], "--accumulation_steps must be at least 1, got 0"),
+    "float16_on_cpu": (["--dtype", "float16"], "--dtype float16 needs CUDA"),
+    "seq_len_too_long": (["--max_seq_len", "40000"],
+                         "--max_seq_len 40000 exceeds the model's max_position_embeddings 32768"),
+    "vocab_smaller_than_tokenizer": (["--vocab_size", "1000"], "has 6400 tokens but the model's --vocab_size is 1000"),
+}
+
+
+def plant_checkpoints(run_dir):
+    """What an earlier run left: a checkpoint, its record, the link, the weights."""
+    ckpt, out = run_dir / "ckpt", run_dir / "out"
+    ckpt.mkdir(parents=True)
+    out.mkdir()
+    (ckpt / "pretrain_64_resume_step0000004.pth").write_bytes(os.urandom(4096))
+    (ckpt / "pretrain_64_resume_step0000004.pth.json").write_text('{"global_step": 4}')
+    os.symlink("pretrain_64_resume_step0000004.pth", ckpt / "pretrain_64_resume.pth")
+    (out / "pretrain_64.pth").write_bytes(os.urandom(1024))
+
+
+@pytest.fixture(scope="module")
+def failed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad_input")
+    jobs, before, expected = {}, {}, {}
+    for case, (content, message) in DATA.items():
+        run, data = root / case, root / f"{case}_data" / "data.jsonl"
+        data.parent.mkdir()
+        if content is not None:
+            data.write_bytes(content)
+        # --save_interval 1: any step that slipped through would write (and rotate) checkpoints.
+        jobs[case] = job(2, [*TINY, *out_args(run), "--data_path", str(data), "--max_steps", "2",
+                             "--save_interval", "1"], run)
+        expected[case] = message.format(data=data)
+    for case, (flags, message) in FLAGS.items():
+        run = root / case
+        jobs[case] = job(1, [*TINY, *out_args(run), "--max_steps", "2", "--save_interval", "1", *flags], run)
+        expected[case] = message
+    for case, (_, run, _) in jobs.items():
+        plant_checkpoints(run)
+        before[case] = outputs_digest(run)
+    results = run_all(jobs, timeout=120)
+    return {case: (results[case], expected[case], jobs[case][1], before[case]) for case in jobs}
+
+
+@pytest.mark.parametrize("case", [*DATA, *FLAGS])
+def test_one_line_error_nonzero_exit_and_checkpoints_untouched(failed, case):
+    result, message, run, before = failed[case]
+    out = result.stdout
+    assert result.returncode is not None, f"no exit within the timeout:\n{out[-3000:]}"
+    assert result.returncode != 0, out[-3000:]
+    if case in FLAGS:
+        assert result.returncode == 2
+        assert "Traceback" not in out, out[-3000:]
+    else:
+        assert result.returncode == 1  # torchrun's code for a failed worker (the workers exit 2)
+        assert "exitcode  : 2" in out
+        assert not worker_tracebacks(out), worker_tracebacks(out)[0]
+    lines = error_lines(out)
+    assert len(lines) == 1, f"expected one error line (rank 0 only), got {lines}\n{out[-3000:]}"
+    assert message in lines[0], lines[0]
+    assert out.count(message) == 1
+    assert outputs_digest(run) == before

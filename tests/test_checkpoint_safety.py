@@ -1,0 +1,164 @@
+"""Resume checkpoints on disk: rotation, and what --from_resume 1 does with a damaged,
+half-written, missing or mismatched checkpoint. One process is enough here (the
+checkpoint is written by rank 0 alone); the resume attempts run two at a time."""
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.fault_helpers import error_lines, job, outputs_digest, run_all
+from tests.launch_utils import TINY, out_args, run_training
+from trainer.checkpoint import verify_checkpoint
+
+STEPS, SAVE = 8, 2  # saves at 2, 4, 6, 8; the default --keep_last 3 keeps 4, 6, 8
+BASE = [*TINY, "--save_interval", str(SAVE)]
+
+
+def name(step) -> str:
+    return f"pretrain_64_resume_step{step:07d}.pth"
+
+
+def ckpt(run_dir, step) -> Path:
+    return Path(run_dir) / "ckpt" / name(step)
+
+
+def truncate(path):
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def flip_bytes(path):
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.seek(size // 2)
+        chunk = f.read(16)
+        f.seek(size // 2)
+        f.write(bytes(b ^ 0xFF for b in chunk))
+    assert os.path.getsize(path) == size
+
+
+def leave_tmp_files(run_dir):
+    d = Path(run_dir) / "ckpt"
+    (d / f"{name(10)}.tmp").write_bytes(b"half a checkpoint")  # killed mid-save
+    (d / f"{name(8)}.json.tmp").write_text('{"global_step": 8, "fi')  # killed mid-record
+    os.symlink(name(4), d / "pretrain_64_resume.pth.tmp")  # killed mid-swap of the link
+
+
+# name: (damage, extra flags). Every attempt resumes with --from_resume 1.
+SCENARIOS = {
+    "truncated_newest": (lambda d: truncate(ckpt(d, 8)), ["--max_steps", "8"]),
+    "corrupt_newest": (lambda d: flip_bytes(ckpt(d, 8)), ["--max_steps", "8"]),
+    "newest_without_record": (lambda d: os.remove(f"{ckpt(d, 8)}.json"), ["--max_steps", "8"]),
+    "tmp_leftovers": (leave_tmp_files, ["--max_steps", "10"]),
+    "all_unusable": (lambda d: [truncate(ckpt(d, s)) for s in (4, 6, 8)], ["--max_steps", "8"]),
+    "no_checkpoint": (lambda d: shutil.rmtree(Path(d) / "ckpt"), ["--max_steps", "2"]),
+    "more_layers": (lambda d: None, ["--max_steps", "8", "--num_hidden_layers", "3"]),
+    "wider": (lambda d: None, ["--max_steps", "8", "--hidden_size", "128"]),
+}
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    run = tmp_path_factory.mktemp("base")
+    result = run_training(1, [*BASE, *out_args(run), "--max_steps", str(STEPS)], run, launcher="python", timeout=180)
+    assert result.returncode == 0, result.stdout[-3000:]
+    return run
+
+
+@pytest.fixture(scope="module")
+def attempts(base, tmp_path_factory):
+    root = tmp_path_factory.mktemp("attempts")
+    jobs, before = {}, {}
+    for scenario, (damage, extra) in SCENARIOS.items():
+        run = root / scenario
+        shutil.copytree(base, run, symlinks=True)
+        damage(run)
+        before[scenario] = outputs_digest(run)
+        # BASE's TINY has --num_hidden_layers 2 / --hidden_size 64; a later flag wins in argparse.
+        jobs[scenario] = job(1, [*BASE, *out_args(run), "--from_resume", "1", *extra], run)
+    results = run_all(jobs, timeout=180)
+    return {s: (results[s], root / s, before[s]) for s in SCENARIOS}
+
+
+def skip_lines(output) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith("skipping checkpoint")]
+
+
+def resumed_from(output) -> int | None:
+    match = re.search(r"resumed from .*_resume_step(\d+)\.pth at step", output)
+    return int(match.group(1)) if match else None
+
+
+def test_keep_last_three_named_by_step_and_link_to_newest(base):
+    d = base / "ckpt"
+    assert sorted(p.name for p in d.glob("*_step*.pth")) == [name(4), name(6), name(8)]
+    assert sorted(p.name for p in d.glob("*.json")) == [f"{name(s)}.json" for s in (4, 6, 8)]
+    assert os.readlink(d / "pretrain_64_resume.pth") == name(8)
+    assert not list(d.glob("*.tmp"))
+    for step in (4, 6, 8):
+        assert verify_checkpoint(str(d / name(step)))["global_step"] == step
+
+
+@pytest.mark.parametrize("scenario, reason", [
+    ("truncated_newest", "truncated?"),
+    ("corrupt_newest", "sha256 does not match"),
+    # Unrecorded checkpoints sort oldest (newest = most tokens per the record), so it is
+    # passed over without a word: it is the normal debris of a kill during a save.
+    ("newest_without_record", None),
+])
+def test_unusable_newest_is_skipped_in_one_line_and_the_previous_used(attempts, scenario, reason):
+    result, run, _ = attempts[scenario]
+    assert result.returncode == 0, result.stdout[-3000:]
+    lines = skip_lines(result.stdout)
+    if reason:
+        assert len(lines) == 1 and name(8) in lines[0] and reason in lines[0], lines
+    else:
+        assert not lines
+    assert resumed_from(result.stdout) == 6
+    # ...and the re-trained step 8 replaced the bad file with a good one.
+    assert verify_checkpoint(str(ckpt(run, 8)))["global_step"] == 8
+    assert os.readlink(run / "ckpt" / "pretrain_64_resume.pth") == name(8)
+
+
+def test_leftover_tmp_files_do_not_matter(attempts):
+    result, run, _ = attempts["tmp_leftovers"]
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert not skip_lines(result.stdout)
+    assert resumed_from(result.stdout) == 8
+    assert verify_checkpoint(str(ckpt(run, 10)))["global_step"] == 10
+    assert not (run / "ckpt" / f"{name(10)}.tmp").exists()  # the save at 10 cleared its own debris
+    assert os.readlink(run / "ckpt" / "pretrain_64_resume.pth") == name(10)
+
+
+def test_all_unusable_stops_with_a_message_and_touches_nothing(attempts):
+    result, run, before = attempts["all_unusable"]
+    assert result.returncode == 2, result.stdout[-3000:]
+    assert len(skip_lines(result.stdout)) == 3
+    assert error_lines(result.stdout) == [
+        f"error: --from_resume 1: none of the 3 checkpoints in {run / 'ckpt'} is usable (see above); "
+        f"move them aside to start fresh"]
+    assert "Traceback" not in result.stdout
+    assert outputs_digest(run) == before
+
+
+def test_no_checkpoint_at_all_starts_fresh(attempts):
+    result, run, _ = attempts["no_checkpoint"]
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "resumed from" not in result.stdout
+    assert re.search(r"^epoch 1/\d+ step 1/2 ", result.stdout, re.M)
+    assert os.readlink(run / "ckpt" / "pretrain_64_resume.pth") == name(2)
+
+
+@pytest.mark.parametrize("scenario, key, saved, given", [
+    ("more_layers", "num_hidden_layers", 2, 3),
+    ("wider", "hidden_size", 64, 128),  # another file prefix (pretrain_128): found all the same
+])
+def test_resume_with_another_model_config_names_both_values(attempts, scenario, key, saved, given):
+    result, run, before = attempts[scenario]
+    assert result.returncode == 2, result.stdout[-3000:]
+    [line] = error_lines(result.stdout)
+    assert f"{key}={saved}" in line and f"{key}={given}" in line and "pretrain_64_resume_step" in line, line
+    assert "Traceback" not in result.stdout
+    assert outputs_digest(run) == before

@@ -1,0 +1,328 @@
+"""Never lose a run: a killed rank, a torchrun restart, a preemption signal, a NaN
+and a rank that raises, each on the real 2-process CPU/gloo job (tiny model).
+
+Exit codes observed (torch 2.x torchrun, gloo, CPU):
+  * the trainer, on SIGTERM / SIGINT: saves at the next step, then exits 128+signum
+    (143 / 130); shown on a plain `python` run, whose rc we see directly;
+  * torchrun after SIGTERM or SIGINT to it: 1 (it re-raises SignalException after
+    forwarding the signal to its workers and waiting for them);
+  * torchrun when a worker is SIGKILLed, raises, or exits 2 (user error): 1, with a
+    ChildFailedError report naming the rank, exit code and pid of the first failure.
+"""
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.fault_helpers import job, run_all, worker_tracebacks
+from tests.launch_utils import (
+    PYTHON, TINY, TORCHRUN, TRAIN, assert_bitwise_equal, free_port, latest_checkpoint, load_checkpoint, out_args,
+    run_env, run_training,
+)
+from trainer.checkpoint import verify_checkpoint
+
+N, K, SAVE = 12, 6, 4
+BASE = [*TINY, "--max_steps", str(N), "--save_interval", str(SAVE)]
+
+
+def fault(kind, at=K, rank=1) -> dict:
+    return {"MINIMIND_FAULT_AT_STEP": str(at), "MINIMIND_FAULT_RANK": str(rank), "MINIMIND_FAULT_KIND": kind}
+
+
+def ckpt_steps(run_dir) -> list[int]:
+    names = os.listdir(Path(run_dir) / "ckpt")
+    return sorted(int(m.group(1)) for n in names if (m := re.fullmatch(r"pretrain_64_resume_step(\d+)\.pth", n)))
+
+
+def ckpt_at(run_dir, step) -> dict:
+    return load_checkpoint(Path(run_dir) / "ckpt" / f"pretrain_64_resume_step{step:07d}.pth")
+
+
+def assert_same_state(a, b, where="state"):
+    """Recursive equality; tensors bitwise (torch.equal)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), f"{where} differs"
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), f"{where}: keys differ"
+        for key in a:
+            assert_same_state(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{where}: lengths differ"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_state(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def all_finite(state: dict) -> bool:
+    return all(torch.isfinite(t).all() for t in state.values() if t.is_floating_point())
+
+
+def train_lines(output) -> list[int]:
+    return [int(m.group(1)) for m in re.finditer(r"^epoch \d+/\d+ step (\d+)/", output, re.M)]
+
+
+NAN_K, BAD = 3, 3
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The jobs that need no other job's result, run two at a time: {name: (Finished, run_dir)}."""
+    root = tmp_path_factory.mktemp("fault")
+    jobs = {
+        "uninterrupted": job(2, [*BASE, *out_args(root / "uninterrupted")], root / "uninterrupted"),
+        "killed": job(2, [*BASE, *out_args(root / "killed")], root / "killed", env=fault("kill")),
+        "restarted": job(2, [*BASE, *out_args(root / "restarted"), "--from_resume", "1"], root / "restarted",
+                         env=fault("kill"), launcher_args=["--max-restarts=3"]),
+        "nan": job(2, [*TINY, *out_args(root / "nan"), "--max_steps", str(NAN_K + 2), "--save_interval", "1"],
+                   root / "nan", env=fault("nan", at=NAN_K)),
+        "nan_forever": job(2, [*TINY, *out_args(root / "nan_forever"), "--max_steps", "50", "--save_interval", "2",
+                               "--max_bad_steps", str(BAD)], root / "nan_forever", env=fault("nan_forever", at=NAN_K)),
+    }
+    results = run_all(jobs, timeout=240)
+    return {name: (results[name], jobs[name][1]) for name in jobs}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(runs):
+    result, run = runs["uninterrupted"]
+    assert result.returncode == 0, result.stdout[-3000:]
+    final = latest_checkpoint(run)
+    assert final["global_step"] == N
+    return final
+
+
+# ---------------------------------------------------------------------------- 1. kill + manual resume
+def test_killed_rank_then_resume_is_bitwise_identical(runs, uninterrupted):
+    killed, run = runs["killed"]
+    assert killed.returncode not in (0, None), killed.stdout[-3000:]
+    assert f"[fault injection] rank 1 SIGKILLs itself at step {K}" in killed.stdout
+    assert ckpt_steps(run) == [SAVE], "only the save before the kill exists"
+
+    resumed = run_training(2, [*BASE, *out_args(run), "--from_resume", "1"], run, timeout=180)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert f"pretrain_64_resume_step{SAVE:07d}.pth at step {SAVE}/{N}" in resumed.stdout
+    assert train_lines(resumed.stdout)[0] == SAVE + 1
+    final = latest_checkpoint(run)
+    assert final["global_step"] == N and final["tokens_seen"] == uninterrupted["tokens_seen"]
+    assert_bitwise_equal(final["model"], uninterrupted["model"])
+    assert_same_state(final["optimizer"], uninterrupted["optimizer"], "optimizer")
+
+
+# ---------------------------------------------------------------------------- 2. torchrun restarts by itself
+def test_torchrun_max_restarts_recovers_bitwise_identical(runs, uninterrupted):
+    result, run = runs["restarted"]
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert f"[fault injection] rank 1 SIGKILLs itself at step {K}" in result.stdout
+    assert f"pretrain_64_resume_step{SAVE:07d}.pth at step {SAVE}/{N}" in result.stdout  # the restarted group
+    final = latest_checkpoint(run)
+    assert final["global_step"] == N
+    assert_bitwise_equal(final["model"], uninterrupted["model"])
+    assert_same_state(final["optimizer"], uninterrupted["optimizer"], "optimizer")
+
+
+# ---------------------------------------------------------------------------- 3. preemption
+PREEMPT_SAVE = 20
+
+
+def _start(cmd, run_dir, new_session=False, env=None):
+    return subprocess.Popen(cmd, cwd=run_dir, env=run_env(run_dir, env), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=new_session)
+
+
+def _wait_for_step(proc, run_dir, step, timeout=120) -> int:
+    """Poll the metrics file until it logs `step` or later; return the last logged step."""
+    metrics = Path(run_dir) / "out" / "pretrain_64_metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended early (rc {proc.returncode}):\n{proc.communicate()[0][-3000:]}")
+        if metrics.exists():
+            rows = [line for line in metrics.read_text().splitlines() if line.strip().endswith("}")]
+            if rows and int(re.search(r'"step": (\d+)', rows[-1]).group(1)) >= step:
+                return int(re.search(r'"step": (\d+)', rows[-1]).group(1))
+        time.sleep(0.1)
+    proc.kill()
+    pytest.fail(f"no progress to step {step} within {timeout}s")
+
+
+def _signal_and_wait(proc, send, timeout=30):
+    """Deliver the signal, return (rc, output, seconds to exit)."""
+    start = time.monotonic()
+    send()
+    try:
+        output = proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"no exit within {timeout}s of the signal:\n{proc.communicate()[0][-3000:]}")
+    return proc.returncode, output, time.monotonic() - start
+
+
+def _saved_step(output) -> int:
+    match = re.search(r"preempted: saved step (\d+) to", output)
+    assert match, f"no preemption save reported:\n{output[-3000:]}"
+    return int(match.group(1))
+
+
+@pytest.fixture(scope="module")
+def preempted(tmp_path_factory):
+    """The 2-process job, SIGTERMed (torchrun's pid only, as a scheduler does) mid-run."""
+    run = tmp_path_factory.mktemp("preempted")
+    args = [*TINY, *out_args(run), "--max_steps", "100000", "--save_interval", str(PREEMPT_SAVE)]
+    proc = _start([*TORCHRUN, "--nproc_per_node=2", f"--master_port={free_port()}", str(TRAIN), *args], run)
+    seen = _wait_for_step(proc, run, PREEMPT_SAVE + 3)
+    rc, output, seconds = _signal_and_wait(proc, lambda: proc.send_signal(signal.SIGTERM))
+    return dict(run=run, args=args, seen=seen, rc=rc, output=output, seconds=seconds)
+
+
+def test_sigterm_saves_the_current_step_and_exits_promptly(preempted):
+    rc, output, seen = preempted["rc"], preempted["output"], preempted["seen"]
+    assert rc == 1, output[-3000:]  # torchrun's rc after a forwarded SIGTERM; the workers exit 143
+    assert preempted["seconds"] < 15, f"took {preempted['seconds']:.1f}s to exit"
+    saved = _saved_step(output)
+    # Nothing logged before the signal is lost, and the save is beyond the last periodic one.
+    assert saved >= seen > PREEMPT_SAVE
+    steps = ckpt_steps(preempted["run"])
+    assert steps[-1] == saved and all(s % PREEMPT_SAVE == 0 for s in steps[:-1])
+    ckpt, name = preempted["run"] / "ckpt", f"pretrain_64_resume_step{saved:07d}.pth"
+    assert os.readlink(ckpt / "pretrain_64_resume.pth") == name
+    assert verify_checkpoint(str(ckpt / name))["global_step"] == saved
+    assert output.count("preempted: saved step") == 1  # rank 0 only
+
+
+def test_resume_after_sigterm_continues_after_the_saved_step(preempted):
+    saved = _saved_step(preempted["output"])
+    run = preempted["run"]
+    args = [a if a != "100000" else str(saved + 2) for a in preempted["args"]]
+    resumed = run_training(2, [*args, "--from_resume", "1"], run, timeout=180)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert f"at step {saved}/{saved + 2}" in resumed.stdout
+    assert train_lines(resumed.stdout) == [saved + 1, saved + 2]
+    assert latest_checkpoint(run)["global_step"] == saved + 2
+
+
+@pytest.mark.parametrize("signame, code", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_single_process_exit_code_is_128_plus_signal(tmp_path, signame, code):
+    """Without torchrun in between, the trainer's own exit code is visible."""
+    args = [*TINY, *out_args(tmp_path), "--max_steps", "100000", "--save_interval", "1000"]
+    proc = _start([PYTHON, str(TRAIN), *args], tmp_path)
+    _wait_for_step(proc, tmp_path, 3)
+    rc, output, seconds = _signal_and_wait(proc, lambda: proc.send_signal(getattr(signal, signame)))
+    assert rc == code, output[-3000:]
+    assert seconds < 10
+    assert ckpt_steps(tmp_path) == [_saved_step(output)]
+    assert "Traceback" not in output
+
+
+def test_ctrl_c_to_the_whole_torchrun_process_group_saves(tmp_path):
+    """A terminal's Ctrl-C (or Slurm's scancel) signals torchrun and both workers, and
+    torchrun then forwards its own SIGINT: that echo must not kill the workers before
+    they save. The echo is repeated 50 ms later, as a loaded machine delivers it."""
+    args = [*TINY, *out_args(tmp_path), "--max_steps", "100000", "--save_interval", "1000"]
+    proc = _start([*TORCHRUN, "--nproc_per_node=2", f"--master_port={free_port()}", str(TRAIN), *args], tmp_path,
+                  new_session=True)
+    seen = _wait_for_step(proc, tmp_path, 3)
+    workers = [int(pid) for pid in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+    assert len(workers) == 2
+
+    def ctrl_c_then_echo():
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(0.05)
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
+
+    rc, output, seconds = _signal_and_wait(proc, ctrl_c_then_echo)
+    assert rc != 0 and seconds < 15, output[-3000:]
+    saved = _saved_step(output)
+    assert saved >= seen and ckpt_steps(tmp_path) == [saved]
+
+
+def test_a_repeated_signal_is_an_echo_at_first_and_kills_later(tmp_path):
+    code = f"""if True:
+        import os, signal, sys, time
+        sys.path.insert(0, {str(Path(TRAIN).parents[1])!r})
+        from trainer.resilience import PreemptionFlag
+        flag = PreemptionFlag()
+        flag.repeat_grace_s = 0.5
+        flag.install()
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)  # the echo: ignored
+        time.sleep(0.1)
+        print("saving", flag.signum, flush=True)
+        time.sleep(0.6)
+        os.kill(os.getpid(), signal.SIGINT)  # the user insists: die now
+        time.sleep(5)
+        print("still alive", flush=True)
+    """
+    result = subprocess.run([PYTHON, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            timeout=30)
+    assert result.stdout.split() == ["saving", str(int(signal.SIGINT))], result.stdout
+    assert result.returncode == -signal.SIGINT
+
+
+# ---------------------------------------------------------------------------- 6. NaN / Inf
+def test_nan_on_one_rank_skips_that_update_everywhere(runs):
+    result, run = runs["nan"]
+    k = NAN_K
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert result.stdout.count("update skipped") == 1
+    assert f"step {k + 1}: non-finite loss or gradient norm on some rank; update skipped" in result.stdout
+    assert ckpt_steps(run) == [k, k + 1, k + 2]
+    before, skipped, after = (ckpt_at(run, s) for s in (k, k + 1, k + 2))
+    # The skipped step changed nothing (weights, Adam moments and step count) ...
+    assert_bitwise_equal(skipped["model"], before["model"])
+    assert_same_state(skipped["optimizer"]["state"], before["optimizer"]["state"], "optimizer state")
+    # ... and training went on, finite on rank 1 too (its NaN gradients were never applied:
+    # a NaN weight on any rank would make every later all-reduced gradient NaN).
+    assert not torch.equal(after["model"]["model.embed_tokens.weight"], skipped["model"]["model.embed_tokens.weight"])
+    assert all_finite(after["model"])
+
+
+def test_nan_forever_aborts_after_max_bad_steps_and_keeps_good_checkpoints(runs):
+    result, run = runs["nan_forever"]
+    out = result.stdout
+    assert result.returncode not in (0, None), out[-3000:]
+    message = f"{BAD} consecutive non-finite steps (--max_bad_steps {BAD})"
+    assert out.count(message) == 1, out[-3000:]
+    assert out.count("update skipped") == BAD
+    assert not worker_tracebacks(out)
+    # Saves at 2 (good) and 4 (after one skipped update: still finite); none at 6, where it aborted.
+    assert ckpt_steps(run) == [2, 4]
+    for step in (2, 4):
+        state = verify_checkpoint(str(run / "ckpt" / f"pretrain_64_resume_step{step:07d}.pth"))
+        assert all_finite(state["model"])
+    assert os.readlink(run / "ckpt" / "pretrain_64_resume.pth") == "pretrain_64_resume_step0000004.pth"
+
+
+# ---------------------------------------------------------------------------- 7. a rank raises
+def test_a_rank_that_raises_ends_the_job_quickly_and_is_named(tmp_path):
+    """Rank 1 raises before step 4 while rank 0 waits in that step's all-reduce: the job
+    must end at once, not after --dist_timeout (30 s here)."""
+    args = [*TINY, *out_args(tmp_path), "--max_steps", "50", "--save_interval", "1000", "--dist_timeout", "30"]
+    proc = _start([*TORCHRUN, "--nproc_per_node=2", f"--master_port={free_port()}", str(TRAIN), *args], tmp_path,
+                  env=fault("raise", at=3))
+    watchdog = threading.Timer(120, proc.kill)
+    watchdog.start()
+    lines, step3_at = [], None
+    for line in proc.stdout:  # timestamp the last good step as it is printed
+        lines.append(line)
+        if step3_at is None and re.match(r"epoch \d+/\d+ step 3/", line):
+            step3_at = time.monotonic()
+    proc.wait()
+    seconds = time.monotonic() - step3_at if step3_at else None
+    watchdog.cancel()
+    out = "".join(lines)
+    assert proc.returncode not in (0, -signal.SIGKILL), out[-3000:]
+    assert seconds is not None and seconds < 10, f"{seconds}s from the fault to the exit:\n{out[-3000:]}"
+    assert "RuntimeError: [fault injection] rank 1 raises at step 3" in out
+    root_cause = out[out.index("Root Cause"):]
+    assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", root_cause), out[-3000:]
