@@ -1,9 +1,13 @@
-"""Peak memory of one training step with and without --grad_checkpointing.
+"""Peak memory: one training step with and without --grad_checkpointing, and a
+2-process run under DDP and under FSDP.
 
     python scripts/bench_memory.py [--hidden_size 512 --num_hidden_layers 8 --max_seq_len 1024 --batch_size 4]
+    python scripts/bench_memory.py --parallel [--hidden_size 768 --num_hidden_layers 8]
 
 Each mode runs in a fresh process (forward, backward, AdamW step, twice) so its
-peak RSS is its own; on CUDA the peak allocated memory is reported instead.
+peak RSS is its own; on CUDA the peak allocated memory is reported instead. The
+--parallel table runs train_pretrain.py under torchrun (CPU, gloo) and reports the
+largest worker's peak RSS.
 """
 import argparse
 import json
@@ -24,6 +28,7 @@ def parse_args():
     p.add_argument("--max_seq_len", type=int, default=1024)
     p.add_argument("--batch_size", type=int, default=4)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--parallel", action="store_true", help="compare DDP and FSDP with 2 processes instead")
     p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     return p.parse_args()
 
@@ -55,18 +60,44 @@ def measure(args, checkpointing: int) -> dict:
     cmd = [sys.executable, __file__, "--child", str(checkpointing), "--hidden_size", str(args.hidden_size),
            "--num_hidden_layers", str(args.num_hidden_layers), "--max_seq_len", str(args.max_seq_len),
            "--batch_size", str(args.batch_size), "--device", args.device]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    output, rss = run_measured(cmd)
+    return dict(json.loads(output.strip().splitlines()[-1]), peak_rss_mib=rss)
+
+
+def run_measured(cmd, env=None) -> tuple[str, float]:
+    """Run to completion: (stdout, peak RSS in MiB of the largest process it or its children ran)."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
     output = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)
     if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"child failed: {output}")
-    return dict(json.loads(output.strip().splitlines()[-1]), peak_rss_mib=usage.ru_maxrss / 1024)
+        raise SystemExit(f"run failed:\n{output[-3000:]}")
+    return output, usage.ru_maxrss / 1024
+
+
+def compare_parallel(args):
+    import tempfile
+
+    print(f"2 processes (torchrun, CPU/gloo), hidden {args.hidden_size}, {args.num_hidden_layers} layers, "
+          f"seq {args.max_seq_len}, batch {args.batch_size}/process, fp32, 3 steps\n")
+    print(f"{'parallel':<10}{'peak RSS of a worker':>22}")
+    for mode in ("ddp", "fsdp"):
+        with tempfile.TemporaryDirectory() as work:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=0",
+                   str(REPO_ROOT / "trainer" / "train_pretrain.py"), "--parallel", mode,
+                   "--hidden_size", str(args.hidden_size), "--num_hidden_layers", str(args.num_hidden_layers),
+                   "--max_seq_len", str(args.max_seq_len), "--batch_size", str(args.batch_size), "--max_steps", "3",
+                   "--num_workers", "0", "--val_fraction", "0", "--save_dir", f"{work}/out",
+                   "--checkpoint_dir", f"{work}/ckpt"]
+            _, rss = run_measured(cmd, dict(os.environ, OMP_NUM_THREADS="1"))
+        print(f"{mode:<10}{rss:>18,.0f} MiB")
 
 
 def main():
     args = parse_args()
     if args.child is not None:
         return one_step(args)
+    if args.parallel:
+        return compare_parallel(args)
     rows = {"off": measure(args, 0), "on": measure(args, 1)}
     print(f"hidden {args.hidden_size}, {args.num_hidden_layers} layers, seq {args.max_seq_len}, "
           f"batch {args.batch_size}, {args.device}, fp32\n")

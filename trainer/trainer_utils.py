@@ -6,6 +6,7 @@ import math
 import os
 import random
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -107,9 +108,17 @@ def Logger(*content, **kwargs):
 
 
 def fail(message: str, code: int = 2):
-    """Report a user error in one line (rank 0 only) and exit non-zero on every rank."""
-    if is_main_process():
+    """Report a user error in one line and exit non-zero on every rank.
+
+    Rank 0 prints it, and so does the first process of every other node, since a
+    problem can be local to a node (a file missing there). The rest wait a moment
+    before exiting: torchrun tears the whole group down when any rank exits, and rank
+    0 must get its line out first.
+    """
+    if is_main_process() or os.environ.get("LOCAL_RANK") == "0":
         print(f"error: {message}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(1.0)
     cleanup_distributed(clean=False)
     sys.exit(code)
 
