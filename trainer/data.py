@@ -78,6 +78,32 @@ def build_data(args, tokenizer, vocab_size: int) -> TrainData:
     return TrainData(Subset(full, range(n_train)), Subset(full, range(n_train, len(full))), shifted)
 
 
+@dataclass
+class StepPlan:
+    accumulation_steps: int
+    samples_per_step: int  # the global batch: micro-batch x world size x accumulation
+    steps_per_epoch: int  # whole global batches only: the ragged tail of an epoch is dropped
+    total_steps: int
+
+
+def plan_steps(args, num_samples: int, world_size: int) -> StepPlan:
+    """How many samples an optimizer step takes, and how many steps the run makes."""
+    if args.global_batch_size:
+        per_micro_step = args.batch_size * world_size
+        if args.global_batch_size % per_micro_step:
+            raise UserError(f"--global_batch_size {args.global_batch_size} is not a multiple of --batch_size "
+                            f"{args.batch_size} x {world_size} processes = {per_micro_step}")
+        args.accumulation_steps = args.global_batch_size // per_micro_step
+    accum = args.accumulation_steps
+    samples_per_step = args.batch_size * world_size * accum
+    steps_per_epoch = num_samples // samples_per_step
+    if steps_per_epoch == 0:
+        raise UserError(f"--data_path {args.data_path}: {num_samples} training samples, fewer than one global "
+                        f"batch of {samples_per_step} (--batch_size {args.batch_size} x {world_size} processes x "
+                        f"{accum} accumulation steps); lower --batch_size or add data")
+    return StepPlan(accum, samples_per_step, steps_per_epoch, args.max_steps or args.epochs * steps_per_epoch)
+
+
 def make_train_loader(dataset, sampler, args, pin_memory: bool) -> DataLoader:
     return DataLoader(
         dataset,

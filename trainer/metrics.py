@@ -10,6 +10,7 @@ The first term is the forward (2N) and backward (4N) matmuls, the second the
 attention scores and weighted sums. MFU = FLOPs/token * tokens/s / device peak.
 """
 import json
+import math
 import netrc
 import os
 import sys
@@ -38,6 +39,27 @@ def device_peak_flops(device: str, override_tflops: float = 0) -> float | None:
         if key in name:
             return tflops * 1e12
     return None
+
+
+class Throughput:
+    """Tokens per second, all positions and real (non-pad) ones, since the last report."""
+
+    def __init__(self, tokens_per_step: int):
+        self.tokens_per_step = tokens_per_step
+        self._reset()
+
+    def _reset(self):
+        self.start, self.steps, self.real_tokens = time.time(), 0, 0.0
+
+    def add(self, real_tokens: float):
+        self.steps += 1
+        self.real_tokens += real_tokens
+
+    def report(self) -> tuple[float, float]:
+        elapsed = time.time() - self.start
+        rates = self.steps * self.tokens_per_step / elapsed, self.real_tokens / elapsed
+        self._reset()
+        return rates
 
 
 def _wandb_key_available() -> bool:
@@ -112,6 +134,20 @@ class RunLogger:
             f.write(json.dumps(row) + "\n")
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=row["step"])
+
+    def log_train(self, step, epoch, epochs, loss, aux, lr, tokens_seen, tok_s, real_tok_s, mfu=None):
+        row = {"kind": "train", "step": step, "epoch": epoch, "tokens_seen": tokens_seen, "loss": loss,
+               "aux_loss": aux, "lr": lr, "tokens_per_s": tok_s, "nonpad_tokens_per_s": real_tok_s}
+        mfu_text = ""
+        if mfu is not None:
+            row["mfu"] = mfu
+            mfu_text = f" mfu {mfu:.1%}"
+        self.log(row, f"epoch {epoch + 1}/{epochs} step {step}/{self.total_steps} loss {loss:.4f} aux {aux:.4f} "
+                      f"lr {lr:.2e} tok/s {tok_s:,.0f} (non-pad {real_tok_s:,.0f}){mfu_text} eta {self.eta(step)}")
+
+    def log_val(self, step, tokens_seen, val_loss):
+        self.log({"kind": "val", "step": step, "tokens_seen": tokens_seen, "val_loss": val_loss},
+                 f"step {step}: val_loss {val_loss:.4f} (ppl {math.exp(min(val_loss, 50)):.2f})")
 
     def eta(self, step: int) -> str:
         done = step - self.start_step

@@ -28,9 +28,9 @@ from trainer.checkpoint import (  # noqa: E402
     save_checkpoint,
 )
 from trainer.data import (  # noqa: E402
-    ResumableDistributedSampler, build_data, make_train_loader, make_val_loader, resume_step, to_targets,
+    ResumableDistributedSampler, build_data, make_train_loader, make_val_loader, plan_steps, resume_step, to_targets,
 )
-from trainer.metrics import RunLogger, device_peak_flops, flops_per_token  # noqa: E402
+from trainer.metrics import RunLogger, Throughput, device_peak_flops, flops_per_token  # noqa: E402
 from trainer.parallel import as_local_scalar, full_state_dict, gradient_sync, weights_finite, wrap_model  # noqa: E402
 from trainer.resilience import PreemptionFlag, inject_crash, inject_nan  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
@@ -95,6 +95,36 @@ def main(argv=None):
     sys.exit(exit_code)
 
 
+def check_model_fits(args, tokenizer, config):
+    if len(tokenizer) > config.vocab_size:
+        raise UserError(f"--tokenizer_path {args.tokenizer_path} has {len(tokenizer)} tokens but the model's "
+                        f"--vocab_size is {config.vocab_size}; pass --vocab_size {len(tokenizer)} or a smaller tokenizer")
+    if args.max_seq_len > config.max_position_embeddings:
+        raise UserError(f"--max_seq_len {args.max_seq_len} exceeds the model's max_position_embeddings "
+                        f"{config.max_position_embeddings}")
+
+
+def resume(args, prefix, config, model, optimizer, scaler, plan, env):
+    """Load the newest usable checkpoint into the model, optimizer and scaler.
+    Returns (start_step, tokens_seen, wandb_run_id), or None with no checkpoint."""
+    state = load_latest_checkpoint(args.checkpoint_dir, prefix, config.to_dict())
+    if state is None:
+        return None
+    restore_model_and_optimizer(state, model, optimizer)
+    scaler.load_state_dict(state["scaler"])
+    if state["world_size"] == env.world_size:
+        restore_rng_state(state["rng"][env.rank])
+    # Samples already consumed in the saved epoch, re-expressed in this run's step size.
+    step_in_epoch = resume_step(state["step_in_epoch"], state["samples_per_step"], plan.samples_per_step)
+    start_step = state["epoch"] * plan.steps_per_epoch + step_in_epoch
+    if state["samples_per_step"] != plan.samples_per_step:
+        Logger(f"resume: world size {state['world_size']} -> {env.world_size}, step {state['step_in_epoch']} -> "
+               f"{step_in_epoch} of epoch {state['epoch']} (step * {state['samples_per_step']} samples "
+               f"// {plan.samples_per_step} samples per step)")
+    Logger(f"resumed from {state['path']} at step {start_step}/{plan.total_steps}")
+    return start_step, state["tokens_seen"], state.get("wandb_run_id")
+
+
 def train(args, env) -> int:
     # ------------------------------------------------------------------ 1. settings
     check_args(args, torch.cuda.is_available())
@@ -106,29 +136,11 @@ def train(args, env) -> int:
     # ------------------------------------------------------------------ 2. tokenizer, model config, data
     tokenizer = load_tokenizer(args.tokenizer_path)
     config = model_config_from_args(args, args.vocab_size)
-    if len(tokenizer) > config.vocab_size:
-        raise UserError(f"--tokenizer_path {args.tokenizer_path} has {len(tokenizer)} tokens but the model's "
-                        f"--vocab_size is {config.vocab_size}; pass --vocab_size {len(tokenizer)} or a smaller tokenizer")
-    if args.max_seq_len > config.max_position_embeddings:
-        raise UserError(f"--max_seq_len {args.max_seq_len} exceeds the model's max_position_embeddings "
-                        f"{config.max_position_embeddings}")
+    check_model_fits(args, tokenizer, config)
     ensure_data(args)
     data = build_data(args, tokenizer, config.vocab_size)
-
-    if args.global_batch_size:
-        per_micro_step = args.batch_size * world_size
-        if args.global_batch_size % per_micro_step:
-            raise UserError(f"--global_batch_size {args.global_batch_size} is not a multiple of --batch_size "
-                            f"{args.batch_size} x {world_size} processes = {per_micro_step}")
-        args.accumulation_steps = args.global_batch_size // per_micro_step
-    accum = args.accumulation_steps
-    samples_per_step = args.batch_size * world_size * accum
-    steps_per_epoch = len(data.train) // samples_per_step
-    if steps_per_epoch == 0:
-        raise UserError(f"--data_path {args.data_path}: {len(data.train)} training samples, fewer than one global "
-                        f"batch of {samples_per_step} (--batch_size {args.batch_size} x {world_size} processes x "
-                        f"{accum} accumulation steps); lower --batch_size or add data")
-    total_steps = args.max_steps or args.epochs * steps_per_epoch
+    plan = plan_steps(args, len(data.train), world_size)
+    total_steps = plan.total_steps
 
     # ------------------------------------------------------------------ 3. model, parallelism, optimizer
     # The same initial weights on every rank: FSDP shards them as they are, with no
@@ -146,22 +158,9 @@ def train(args, env) -> int:
     # ------------------------------------------------------------------ 4. resume
     prefix = run_prefix(args.save_weight, args.hidden_size, bool(args.use_moe))
     start_step, tokens_seen, wandb_id = 0, 0, None
-    state = load_latest_checkpoint(args.checkpoint_dir, prefix, config.to_dict()) if args.from_resume else None
-    if state is not None:
-        restore_model_and_optimizer(state, model, optimizer)
-        scaler.load_state_dict(state["scaler"])
-        # Samples already consumed in the saved epoch, re-expressed in this run's step size.
-        step_in_epoch = resume_step(state["step_in_epoch"], state["samples_per_step"], samples_per_step)
-        start_step = state["epoch"] * steps_per_epoch + step_in_epoch
-        tokens_seen, wandb_id = state["tokens_seen"], state.get("wandb_run_id")
-        if state["world_size"] == world_size:
-            restore_rng_state(state["rng"][rank])
-        if state["samples_per_step"] != samples_per_step:
-            Logger(f"resume: world size {state['world_size']} -> {world_size}, step {state['step_in_epoch']} -> "
-                   f"{step_in_epoch} of epoch {state['epoch']} (step * {state['samples_per_step']} samples "
-                   f"// {samples_per_step} samples per step)")
-        Logger(f"resumed from {state['path']} at step {start_step}/{total_steps}")
-        del state
+    resumed = resume(args, prefix, config, model, optimizer, scaler, plan, env) if args.from_resume else None
+    if resumed:
+        start_step, tokens_seen, wandb_id = resumed
         if start_step >= total_steps:
             # Saving now would re-label the checkpoint in this run's step units; leave it be.
             Logger(f"nothing left to train: the checkpoint is at step {start_step} of {total_steps} "
@@ -176,11 +175,12 @@ def train(args, env) -> int:
     log = RunLogger(args, prefix, is_main_process(), start_step, total_steps, wandb_id)
     preempt = PreemptionFlag()
     preempt.install()
-    tokens_per_step = samples_per_step * args.max_seq_len
+    throughput = Throughput(plan.samples_per_step * args.max_seq_len)
     peak = device_peak_flops(env.device, args.peak_tflops)
     flops_token = flops_per_token(config, active_params, args.max_seq_len)
-    Logger(f"world_size={world_size} micro_batch={args.batch_size} accumulation={accum} "
-           f"global_batch={samples_per_step} steps/epoch={steps_per_epoch} total_steps={total_steps} "
+    epochs = math.ceil(total_steps / plan.steps_per_epoch)
+    Logger(f"world_size={world_size} micro_batch={args.batch_size} accumulation={plan.accumulation_steps} "
+           f"global_batch={plan.samples_per_step} steps/epoch={plan.steps_per_epoch} total_steps={total_steps} "
            f"dtype={args.dtype} device={env.device} parallel={args.parallel if env.distributed else 'none'}")
 
     def checkpoint(step):
@@ -188,73 +188,55 @@ def train(args, env) -> int:
         if not weights_finite(model):
             raise RuntimeError("model weights are not finite; refusing to save a checkpoint")
         save_weights(model, args, prefix)
-        epoch, step_in_epoch = divmod(step, steps_per_epoch)
+        epoch, step_in_epoch = divmod(step, plan.steps_per_epoch)
         save_checkpoint({
             "scaler": scaler.state_dict(), "global_step": step, "epoch": epoch, "step_in_epoch": step_in_epoch,
-            "samples_per_step": samples_per_step, "world_size": world_size, "tokens_seen": tokens_seen,
+            "samples_per_step": plan.samples_per_step, "world_size": world_size, "tokens_seen": tokens_seen,
             "wandb_run_id": log.wandb_run_id, "model_config": config.to_dict(),
         }, model, optimizer, args.checkpoint_dir, prefix, args.keep_last, sharded)
 
     # ------------------------------------------------------------------ 6. train
     global_step, bad_steps = start_step, 0
-    window_start, window_steps, window_tokens = time.time(), 0, 0.0
     while global_step < total_steps:
-        epoch, step_in_epoch = divmod(global_step, steps_per_epoch)
+        epoch, step_in_epoch = divmod(global_step, plan.steps_per_epoch)
         sampler.set_epoch(epoch)
-        sampler.set_start(step_in_epoch * args.batch_size * accum)
+        sampler.set_start(step_in_epoch * args.batch_size * plan.accumulation_steps)
         batches = iter(loader)
-        for _ in range(step_in_epoch, steps_per_epoch):
-            if global_step >= total_steps:
-                break
+        for _ in range(step_in_epoch, min(plan.steps_per_epoch, step_in_epoch + total_steps - global_step)):
             inject_crash(global_step, rank)
             lr = get_lr(global_step, total_steps, args.learning_rate, args.warmup_steps)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            micro_batches = [next(batches) for _ in range(accum)]
-            loss, aux, valid_tokens, stop, skipped = optimizer_step(
+            micro_batches = [next(batches) for _ in range(plan.accumulation_steps)]
+            loss, aux, real_tokens, stop, skipped = optimizer_step(
                 net, optimizer, scaler, micro_batches, args, env, data.labels_are_shifted, autocast,
                 poison=inject_nan(global_step, rank), preempt_requested=preempt.requested,
                 bos_id=tokenizer.bos_token_id,
             )
             global_step += 1
-            tokens_seen += int(valid_tokens)
-            window_steps, window_tokens = window_steps + 1, window_tokens + valid_tokens
+            tokens_seen += int(real_tokens)
+            throughput.add(real_tokens)
             log.step_done()
+            bad_steps = bad_steps + 1 if skipped else 0
             if skipped:
-                bad_steps += 1
                 Logger(f"step {global_step}: non-finite loss or gradient norm on some rank; update skipped "
                        f"({bad_steps}/{args.max_bad_steps} in a row)")
                 if bad_steps >= args.max_bad_steps:
                     raise UserError(f"{bad_steps} consecutive non-finite steps (--max_bad_steps {args.max_bad_steps}); "
                                     f"lower --learning_rate or check the data; the last good checkpoint is kept")
-            else:
-                bad_steps = 0
 
-            if global_step % args.log_interval == 0 or global_step == total_steps:
-                elapsed = time.time() - window_start
-                tok_s, real_tok_s = window_steps * tokens_per_step / elapsed, window_tokens / elapsed
-                row = {"kind": "train", "step": global_step, "epoch": epoch, "tokens_seen": tokens_seen,
-                       "loss": loss, "aux_loss": aux, "lr": lr, "tokens_per_s": tok_s, "nonpad_tokens_per_s": real_tok_s}
-                mfu = ""
-                if peak:
-                    row["mfu"] = flops_token * tok_s / world_size / peak
-                    mfu = f" mfu {row['mfu']:.1%}"
-                log.log(row, f"epoch {epoch + 1}/{math.ceil(total_steps / steps_per_epoch)} step {global_step}/{total_steps} "
-                             f"loss {loss:.4f} aux {aux:.4f} lr {lr:.2e} tok/s {tok_s:,.0f} (non-pad {real_tok_s:,.0f})"
-                             f"{mfu} eta {log.eta(global_step)}")
-                window_start, window_steps, window_tokens = time.time(), 0, 0.0
-
-            if val_loader is not None and (global_step == total_steps or
-                                           (args.eval_interval and global_step % args.eval_interval == 0)):
-                val_loss = evaluate(net, val_loader, autocast, env.device, data.labels_are_shifted)
-                log.log({"kind": "val", "step": global_step, "tokens_seen": tokens_seen, "val_loss": val_loss},
-                        f"step {global_step}: val_loss {val_loss:.4f} (ppl {math.exp(min(val_loss, 50)):.2f})")
-
-            if global_step % args.save_interval == 0 or global_step == total_steps or stop:
+            last = global_step == total_steps
+            if global_step % args.log_interval == 0 or last:
+                tok_s, real_tok_s = throughput.report()
+                mfu = flops_token * tok_s / world_size / peak if peak else None
+                log.log_train(global_step, epoch, epochs, loss, aux, lr, tokens_seen, tok_s, real_tok_s, mfu)
+            if val_loader is not None and (last or (args.eval_interval and global_step % args.eval_interval == 0)):
+                log.log_val(global_step, tokens_seen, evaluate(net, val_loader, autocast, env.device,
+                                                               data.labels_are_shifted))
+            if global_step % args.save_interval == 0 or last or stop:
                 checkpoint(global_step)
             if stop:
-                Logger(f"preempted: saved step {global_step} to {args.checkpoint_dir}; "
-                       f"resume with --from_resume 1")
+                Logger(f"preempted: saved step {global_step} to {args.checkpoint_dir}; resume with --from_resume 1")
                 log.close()
                 return 128 + (preempt.signum or 15)
     log.close()
