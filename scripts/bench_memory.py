@@ -12,6 +12,7 @@ largest worker's peak RSS.
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -66,7 +67,7 @@ def measure(args, checkpointing: int) -> dict:
 
 def run_measured(cmd, env=None) -> tuple[str, float]:
     """Run to completion: (stdout, peak RSS in MiB of the largest process it or its children ran)."""
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)
     if os.waitstatus_to_exitcode(status) != 0:
@@ -79,17 +80,20 @@ def compare_parallel(args):
 
     print(f"2 processes (torchrun, CPU/gloo), hidden {args.hidden_size}, {args.num_hidden_layers} layers, "
           f"seq {args.max_seq_len}, batch {args.batch_size}/process, fp32, 3 steps\n")
-    print(f"{'parallel':<10}{'peak RSS of a worker':>22}")
+    print(f"{'parallel':<10}{'weights/rank':>16}{'AdamW/rank':>18}{'peak RSS, rank 0':>22}{'incl. saving':>22}")
     for mode in ("ddp", "fsdp"):
         with tempfile.TemporaryDirectory() as work:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=0",
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
                    str(REPO_ROOT / "trainer" / "train_pretrain.py"), "--parallel", mode,
                    "--hidden_size", str(args.hidden_size), "--num_hidden_layers", str(args.num_hidden_layers),
                    "--max_seq_len", str(args.max_seq_len), "--batch_size", str(args.batch_size), "--max_steps", "3",
                    "--num_workers", "0", "--val_fraction", "0", "--save_dir", f"{work}/out",
                    "--checkpoint_dir", f"{work}/ckpt"]
-            _, rss = run_measured(cmd, dict(os.environ, OMP_NUM_THREADS="1"))
-        print(f"{mode:<10}{rss:>18,.0f} MiB")
+            output, rss = run_measured(cmd, dict(os.environ, OMP_NUM_THREADS="1"))
+            state = re.search(r"state per rank: weights ([\d,]+) MiB, optimizer ([\d,]+) MiB", output).groups()
+            rows = [json.loads(line) for line in open(f"{work}/out/pretrain_{args.hidden_size}_metrics.jsonl")]
+            training = max(r["peak_mem_mib"] for r in rows if r["kind"] == "train")
+        print(f"{mode:<10}{state[0]:>12} MiB{state[1]:>14} MiB{training:>18,.0f} MiB{rss:>18,.0f} MiB")
 
 
 def main():

@@ -13,6 +13,7 @@ import json
 import math
 import netrc
 import os
+import resource
 import sys
 import time
 
@@ -22,6 +23,13 @@ from tqdm import tqdm
 # Dense bf16 tensor-core peaks in TFLOPS, by a substring of torch.cuda.get_device_name().
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0,
                     "L40": 181.0, "A10": 125.0, "L4": 121.0, "4090": 165.0, "3090": 71.0, "V100": 125.0}
+
+
+def peak_memory_mib(device: str) -> float:
+    """Rank 0's high-water mark: allocated GPU memory on CUDA, resident set size on CPU."""
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated(torch.device(device)) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def flops_per_token(config, active_params: int, seq_len: int) -> float:
@@ -76,8 +84,9 @@ class RunLogger:
     """No-op on ranks other than 0, so the loop can call it unconditionally."""
 
     def __init__(self, args, prefix: str, enabled: bool, start_step: int, total_steps: int,
-                 wandb_run_id: str | None = None):
+                 wandb_run_id: str | None = None, device: str = "cpu"):
         self.enabled = enabled
+        self.device = device
         self.total_steps = total_steps
         self.start_step = start_step
         self.start_time = time.time()
@@ -136,14 +145,19 @@ class RunLogger:
             self.wandb.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=row["step"])
 
     def log_train(self, step, epoch, epochs, loss, aux, lr, tokens_seen, tok_s, real_tok_s, mfu=None):
+        if not self.enabled:
+            return
+        memory = peak_memory_mib(self.device)
         row = {"kind": "train", "step": step, "epoch": epoch, "tokens_seen": tokens_seen, "loss": loss,
-               "aux_loss": aux, "lr": lr, "tokens_per_s": tok_s, "nonpad_tokens_per_s": real_tok_s}
+               "aux_loss": aux, "lr": lr, "tokens_per_s": tok_s, "nonpad_tokens_per_s": real_tok_s,
+               "peak_mem_mib": memory}
         mfu_text = ""
         if mfu is not None:
             row["mfu"] = mfu
             mfu_text = f" mfu {mfu:.1%}"
         self.log(row, f"epoch {epoch + 1}/{epochs} step {step}/{self.total_steps} loss {loss:.4f} aux {aux:.4f} "
-                      f"lr {lr:.2e} tok/s {tok_s:,.0f} (non-pad {real_tok_s:,.0f}){mfu_text} eta {self.eta(step)}")
+                      f"lr {lr:.2e} tok/s {tok_s:,.0f} (non-pad {real_tok_s:,.0f}){mfu_text} "
+                      f"mem {memory:,.0f}MiB eta {self.eta(step)}")
 
     def log_val(self, step, tokens_seen, val_loss):
         self.log({"kind": "val", "step": step, "tokens_seen": tokens_seen, "val_loss": val_loss},

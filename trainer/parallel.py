@@ -76,5 +76,14 @@ def weights_finite(model) -> bool:
     return bad.item() == 0
 
 
+def local_state_mib(model, optimizer) -> tuple[float, float]:
+    """(weights, optimizer state) in MiB held by this rank: the part FSDP divides by the world size."""
+    def mib(tensors):
+        return sum(t.to_local().nbytes if isinstance(t, DTensor) else t.nbytes for t in tensors) / 2**20
+
+    states = [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+    return mib(model.parameters()), mib(states)
+
+
 def as_local_scalar(value: torch.Tensor) -> torch.Tensor:
     return value.full_tensor() if isinstance(value, DTensor) else value

@@ -31,7 +31,9 @@ from trainer.data import (  # noqa: E402
     ResumableDistributedSampler, build_data, make_train_loader, make_val_loader, plan_steps, resume_step, to_targets,
 )
 from trainer.metrics import RunLogger, Throughput, device_peak_flops, flops_per_token  # noqa: E402
-from trainer.parallel import as_local_scalar, full_state_dict, gradient_sync, weights_finite, wrap_model  # noqa: E402
+from trainer.parallel import (  # noqa: E402
+    as_local_scalar, full_state_dict, gradient_sync, local_state_mib, weights_finite, wrap_model,
+)
 from trainer.resilience import PreemptionFlag, inject_crash, inject_nan  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
     Logger, UserError, all_reduce_sum, barrier, cleanup_distributed, fail, get_lr, init_distributed_mode,
@@ -172,7 +174,7 @@ def train(args, env) -> int:
     sampler = ResumableDistributedSampler(data.train, world_size, rank, seed=args.seed)
     loader = make_train_loader(data.train, sampler, args, pin)
     val_loader = make_val_loader(data.val, args, rank, world_size, pin) if data.val is not None else None
-    log = RunLogger(args, prefix, is_main_process(), start_step, total_steps, wandb_id)
+    log = RunLogger(args, prefix, is_main_process(), start_step, total_steps, wandb_id, env.device)
     preempt = PreemptionFlag()
     preempt.install()
     throughput = Throughput(plan.samples_per_step * args.max_seq_len)
@@ -213,6 +215,9 @@ def train(args, env) -> int:
                 poison=inject_nan(global_step, rank), preempt_requested=preempt.requested,
                 bos_id=tokenizer.bos_token_id,
             )
+            if global_step == start_step:
+                weights_mib, optimizer_mib = local_state_mib(model, optimizer)
+                Logger(f"state per rank: weights {weights_mib:,.0f} MiB, optimizer {optimizer_mib:,.0f} MiB")
             global_step += 1
             tokens_seen += int(real_tokens)
             throughput.add(real_tokens)
