@@ -15,7 +15,6 @@ top-k, optional renormalisation, no shared expert), so MoE exports natively too.
 `from_pretrained(dir, trust_remote_code=True)`. Every export is loaded back and its
 logits compared with ours.
 """
-import argparse
 import shutil
 import sys
 from pathlib import Path
@@ -33,6 +32,7 @@ from model.weights import (  # noqa: F401  (load_weights, hf_to_state_dict: re-e
     SHAPE_FLAGS, WeightsError, build_model, config_flags, default_weight_path, flag_default, format_flags,
     hf_to_state_dict, load_model, load_weights, qwen3_config_from_minimind,
 )
+from trainer.cli import OneLineArgumentParser
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "added_tokens.json", "chat_template.jinja")
@@ -133,15 +133,8 @@ def save_pth(state, out_path):
 # -----------------------------------------------------------------------------
 # command line
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        # One line instead of usage + message; --help still shows the usage.
-        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
-        sys.exit(2)
-
-
 def parse_args(argv=None):
-    p = _Parser(description=__doc__.split("\n")[0])
+    p = OneLineArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--weight_path", help="weights .pth or resume checkpoint (default: out/pretrain_{hidden}[_moe].pth)")
     p.add_argument("--out_dir", default=str(REPO_ROOT / "hf_out"), help="folder to write (default: hf_out)")
     p.add_argument("--format", choices=("native", "minimind"), default="native",

@@ -9,7 +9,6 @@ The weights may be a .pth (flags describe the model), a resume checkpoint or a f
 written by convert_model.py (their stored config wins). A pretrained model continues
 text, so a prompt is fed as BOS + prompt, the same layout as the training samples.
 """
-import argparse
 import math
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ from transformers import AutoTokenizer
 
 from dataset.lm_dataset import DataError, iter_jsonl_texts
 from model.weights import SHAPE_FLAGS, WeightsError, default_weight_path, flag_default, load_model
+from trainer.cli import OneLineArgumentParser
 
 
 class TextStreamer:
@@ -130,15 +130,8 @@ def interactive(model, tokenizer, args):
 # -----------------------------------------------------------------------------
 # command line
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        # One line instead of usage + message; --help still shows the usage.
-        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
-        sys.exit(2)
-
-
 def parse_args(argv=None):
-    p = _Parser(description=__doc__.split("\n")[0])
+    p = OneLineArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--weight_path", help="weights .pth or resume checkpoint (default: out/pretrain_{hidden}[_moe].pth)")
     p.add_argument("--hf_dir", help="a folder written by scripts/convert_model.py, instead of --weight_path")
     for name in SHAPE_FLAGS:

@@ -6,18 +6,20 @@
 Panels: train and val loss vs step, the same vs tokens seen, and the learning rate
 vs step. Several runs are overlaid; each is labelled with its file's stem.
 """
-import argparse
 import json
 import math
 import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
 
-import matplotlib
+import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")  # files only; works without a display
 import matplotlib.pyplot as plt  # noqa: E402
+
+from trainer.cli import OneLineArgumentParser  # noqa: E402
 
 
 class MetricsError(ValueError):
@@ -90,15 +92,8 @@ def find_metrics(save_dir, metrics):
     return found
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        # One line instead of usage + message; --help still shows the usage.
-        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
-        sys.exit(2)
-
-
 def main(argv=None):
-    p = _Parser(description=__doc__.split("\n")[0])
+    p = OneLineArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--save_dir", default=str(REPO_ROOT / "out"), help="where to look for *_metrics.jsonl")
     p.add_argument("--metrics", nargs="+", help="metrics files to plot (default: all in --save_dir)")
     p.add_argument("--out", help="PNG to write (default: {save_dir}/loss.png)")

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import torch
 
+from trainer.cli import OneLineArgumentParser
 from trainer.trainer_utils import UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -12,7 +13,7 @@ DEMO_CORPUS = REPO_ROOT / "dataset" / "demo_pretrain.jsonl"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="MiniMind pre-training (single process, torchrun DDP/FSDP, multi-node)")
+    p = OneLineArgumentParser(description="MiniMind pre-training (single process, torchrun DDP/FSDP, multi-node)")
     out = p.add_argument_group("output")
     out.add_argument("--save_dir", default=str(REPO_ROOT / "out"), help="weights (.pth) and metrics go here")
     out.add_argument("--save_weight", default="pretrain", help="file name prefix of weights and checkpoints")
