@@ -92,6 +92,21 @@ def _json_type(value):
     return names.get(type(value), type(value).__name__)
 
 
+def load_tokenizer(path):
+    """The tokenizer folder at `path` (tokenizer.json and its config), or a DataError."""
+    from transformers import AutoTokenizer  # slow import; only needed here
+
+    if not (Path(path) / "tokenizer.json").is_file():
+        raise DataError(f"--tokenizer_path {path}: no tokenizer.json there: pass the folder of a tokenizer "
+                        f"trained with trainer/train_tokenizer.py")
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def frame_document(ids, bos_id, eos_id, max_length):
+    """BOS + tokens + EOS, the tokens cut so that the whole fits in max_length (EOS kept)."""
+    return [bos_id] + ids[:max_length - 2] + [eos_id]
+
+
 def iter_jsonl_texts(path):
     """Yield (line_number, text) for every non-blank line of a JSONL file, validated, streaming."""
     for line_number, _, raw in iter_raw_lines(path):
@@ -136,7 +151,7 @@ class PretrainDataset(Dataset):
     def __getitem__(self, index):
         text = self._read_line(index)
         ids = self.tokenizer(text, add_special_tokens=False).input_ids
-        ids = [self.bos_id] + ids[:self.max_length - 2] + [self.eos_id]
+        ids = frame_document(ids, self.bos_id, self.eos_id, self.max_length)
         n = len(ids)
         input_ids = torch.full((self.max_length,), self.pad_id, dtype=torch.long)
         input_ids[:n] = torch.tensor(ids, dtype=torch.long)

@@ -19,7 +19,6 @@ own per-step log rows after the warm-up steps (compilation included in warm-up).
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -72,12 +71,6 @@ def ensure_packed_corpus():
         prepare(DEMO_JSONL, DEMO_BIN)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_variant(key, args, work_dir):
     """One timed run; returns (per-step rows after warm-up, peak RSS in MiB of the largest process)."""
     _, nproc, data, extra, env_extra = VARIANTS[key]
@@ -90,7 +83,7 @@ def run_variant(key, args, work_dir):
              "--num_workers", "1", "--save_dir", str(run_dir / "out"), "--checkpoint_dir", str(run_dir / "ckpt"),
              *extra]
     launcher = [sys.executable] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}"]
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone"]
     threads = 1 if nproc > 1 else args.threads
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false", **env_extra)
     proc = subprocess.Popen([*launcher, str(TRAIN), *flags], env=env, stdout=subprocess.PIPE,

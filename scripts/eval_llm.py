@@ -17,9 +17,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 import torch
-from transformers import AutoTokenizer
 
-from dataset.lm_dataset import DataError, iter_jsonl_texts
+from dataset.lm_dataset import DataError, frame_document, iter_jsonl_texts, load_tokenizer
 from model.weights import SHAPE_FLAGS, WeightsError, default_weight_path, flag_default, load_model
 from trainer.cli import OneLineArgumentParser
 
@@ -92,7 +91,7 @@ def perplexity(model, tokenizer, path, max_docs=None, max_seq_len=512, batch_siz
         if max_docs is not None and docs + len(batch) >= max_docs:
             break
         ids = tokenizer(text, add_special_tokens=False).input_ids
-        batch.append([bos] + ids[: max_seq_len - 2] + [eos])
+        batch.append(frame_document(ids, bos, eos, max_seq_len))
         if len(batch) == batch_size:
             docs, tokens, total_loss = _add_batch(model, batch, pad, device, docs, tokens, total_loss)
             batch = []
@@ -170,21 +169,19 @@ def parse_args(argv=None):
     return args
 
 
-def load_tokenizer(args):
+def tokenizer_for(args):
+    """--tokenizer_path, else the exported folder's own tokenizer, else the repo's."""
     path = args.tokenizer_path
     if path is None:
         hf_dir = Path(args.hf_dir) if args.hf_dir else None
-        path = hf_dir if hf_dir and (hf_dir / "tokenizer_config.json").is_file() else REPO_ROOT / "model"
-    if not (Path(path) / "tokenizer_config.json").is_file():
-        raise WeightsError(f"{path}: no tokenizer there (tokenizer_config.json): "
-                           f"pass --tokenizer_path the tokenizer folder")
-    return AutoTokenizer.from_pretrained(path)
+        path = hf_dir if hf_dir and (hf_dir / "tokenizer.json").is_file() else REPO_ROOT / "model"
+    return load_tokenizer(path)
 
 
 def main(argv=None):
     args = parse_args(argv)
     try:
-        tokenizer = load_tokenizer(args)
+        tokenizer = tokenizer_for(args)
         flags = {name: getattr(args, name) for name in SHAPE_FLAGS}
         weight_path = args.weight_path
         if weight_path is None and args.hf_dir is None:

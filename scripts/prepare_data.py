@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO_ROOT))
 import numpy as np
 from tqdm import tqdm
 
-from dataset.lm_dataset import DataError, iter_raw_lines, open_data_file, parse_line
+from dataset.lm_dataset import DataError, iter_raw_lines, load_tokenizer, open_data_file, parse_line
 from dataset.packed_dataset import DTYPES, dtype_for_vocab, meta_path, write_meta
 
 SHOW_BAD = 10  # how many bad line numbers to print with --skip_bad_lines
@@ -87,14 +87,6 @@ def encode_all(data_path, chunk_lines, num_proc, init_args):
     # bounded and results come back in file order.
     with Pool(num_proc, initializer=init_worker, initargs=init_args) as pool:
         yield from pool.imap(encode_chunk, chunks)
-
-
-def load_tokenizer(tokenizer_path):
-    from transformers import AutoTokenizer  # slow import; only needed here
-    if not Path(tokenizer_path).exists():
-        raise DataError(f"{tokenizer_path}: tokenizer not found: pass --tokenizer_path a directory "
-                        f"containing tokenizer.json")
-    return AutoTokenizer.from_pretrained(str(tokenizer_path))
 
 
 def prepare(data_path, out_path, tokenizer_path=None, num_proc=None, skip_bad_lines=False,

@@ -10,16 +10,14 @@ Read it top to bottom: main() sets up (sections 1-5), then trains (section 6).
 import math
 import os
 import sys
-import time
 from contextlib import nullcontext
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
 
-from dataset.lm_dataset import DataError  # noqa: E402
+from dataset.lm_dataset import DataError, load_tokenizer  # noqa: E402
 from dataset.packed_dataset import document_causal_mask  # noqa: E402
 from model.model_minimind import count_parameters  # noqa: E402
 from trainer.args import DEMO_CORPUS, check_args, parse_args, resolve_dtype  # noqa: E402
@@ -39,12 +37,6 @@ from trainer.trainer_utils import (  # noqa: E402
     Logger, UserError, all_reduce_sum, barrier, cleanup_distributed, fail, get_lr, init_distributed_mode,
     init_model, is_main_process, model_config_from_args, setup_seed,
 )
-
-
-def load_tokenizer(path):
-    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
-        raise UserError(f"--tokenizer_path {path}: no tokenizer.json there; train one with trainer/train_tokenizer.py")
-    return AutoTokenizer.from_pretrained(path)
 
 
 def ensure_data(args):
