@@ -52,13 +52,35 @@ def init_distributed_mode(device_flag: str | None = None, local_rank_flag: int |
     use_cuda = has_cuda and not wants_cpu
     if use_cuda:
         torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    backend = "nccl" if use_cuda else "gloo"
+    store = restart_safe_store(timeout)
+    if store is None:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
     return DistEnv(
         rank=dist.get_rank(),
         local_rank=local_rank,
         world_size=dist.get_world_size(),
         device=f"cuda:{local_rank}" if use_cuda else "cpu",
     )
+
+
+def restart_safe_store(timeout: timedelta):
+    """The torchrun agent's store, with keys private to this restart attempt (None elsewhere).
+
+    With `--max-restarts`, torchrun's static rendezvous keeps one TCPStore across
+    attempts. A restarted group would then find the dead group's gloo/NCCL addresses
+    under the same keys, connect to them and hang in init_process_group. Prefixing
+    the keys with the attempt number keeps each group to itself.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"minimind/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent_store)
 
 
 def is_main_process() -> bool:
