@@ -137,7 +137,9 @@ def fail(message: str, code: int = 2):
     before exiting: torchrun tears the whole group down when any rank exits, and rank
     0 must get its line out first.
     """
-    if is_main_process() or os.environ.get("LOCAL_RANK") == "0":
+    # Before the process group exists (flag checks come first) the launcher's RANK says who speaks.
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+    if rank == 0 or os.environ.get("LOCAL_RANK") == "0":
         print(f"error: {message}", file=sys.stderr, flush=True)
     else:
         time.sleep(1.0)
