@@ -30,7 +30,7 @@ def check_device(device: str | None, local_rank_flag: int | None = None):
         return
     match = re.fullmatch(r"cuda(?::(\d+))?", device or "cuda")
     if not match:
-        raise UserError(f"--device {device}: expected cpu, cuda or cuda:N (N a GPU index)")
+        raise UserError(f"--device {device}: not a device this trainer runs on: pass --device cpu, cuda or cuda:N")
     if not torch.cuda.is_available():
         why = "this torch build has no CUDA" if torch.version.cuda is None else "no GPU is visible"
         raise UserError(f"--device {device}: {why}: pass --device cpu")

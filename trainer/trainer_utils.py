@@ -181,7 +181,11 @@ def init_model(config: MiniMindConfig, from_weight: str | None = None, device="c
     """Build the model in fp32, optionally from `--from_weight`, and print its size."""
     if from_weight:
         try:
-            model = build_model(load_weights(from_weight), config, f"--from_weight {from_weight}").train()
+            state = load_weights(from_weight)  # untrusted: tensors only, never a full unpickle
+        except WeightsError as exc:
+            raise UserError(f"--from_weight {exc}") from None
+        try:
+            model = build_model(state, config, f"--from_weight {from_weight}").train()
         except WeightsError as exc:
             raise UserError(str(exc)) from None
         Logger(f"loaded weights from {from_weight}")
