@@ -99,7 +99,13 @@ def load_tokenizer(path):
     if not (Path(path) / "tokenizer.json").is_file():
         raise DataError(f"--tokenizer_path {path}: no tokenizer.json there: pass the folder of a tokenizer "
                         f"trained with trainer/train_tokenizer.py")
-    return AutoTokenizer.from_pretrained(str(path))
+    try:
+        # Never trust_remote_code: a tokenizer folder is user input, and its code would run here.
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    except Exception as e:  # transformers raises many kinds for a broken or foreign folder
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        raise DataError(f"--tokenizer_path {path}: cannot be loaded ({type(e).__name__}: {first}): pass the folder "
+                        f"of a tokenizer trained with trainer/train_tokenizer.py") from None
 
 
 def frame_document(ids, bos_id, eos_id, max_length):

@@ -1,4 +1,6 @@
-"""Loading MiniMind weights: `.pth` weight files, resume checkpoints and exported HF folders.
+"""Loading MiniMind weights: `.pth` and `.safetensors` weight files, resume checkpoints
+and exported HF folders. Every file here is untrusted input: nothing is unpickled
+beyond tensors and plain containers.
 
 All of it lives here so that scripts/convert_model.py, scripts/eval_llm.py and the
 tests accept the same files and reject bad ones with the same one-line messages.
@@ -7,6 +9,7 @@ it exact.
 """
 import json
 import pickle
+import re
 from pathlib import Path
 
 import torch
@@ -44,20 +47,29 @@ def is_resume_checkpoint(obj):
 
 
 def read_checkpoint(path):
-    """(state_dict, stored model_config dict or None) from a weights file or a resume checkpoint."""
+    """(state_dict, stored model_config dict or None) from a weights file (.pth or
+    .safetensors) or a resume checkpoint.
+
+    The file is untrusted: a .pth is unpickled with weights_only=True only, which
+    rebuilds tensors and plain containers and nothing else, so a crafted file cannot
+    run code here. Everything the trainer writes loads that way.
+    """
     path = Path(path)
     if path.is_dir():
         raise WeightsError(f"{path}: is a folder (a sharded .dcp checkpoint?): pass --weight_path the .pth "
                            f"weights the trainer writes to --save_dir")
     if not path.is_file():
-        raise WeightsError(f"{path}: not found: pass --weight_path a .pth written by the trainer")
+        raise WeightsError(f"{path}: not found: pass a .pth or .safetensors weights file written by the trainer "
+                           f"or by scripts/convert_model.py")
+    if path.suffix == ".safetensors":
+        return _strip_wrapper_prefixes(_split_fused_experts(_read_safetensors_file(path))), None
     try:
-        try:
-            obj = torch.load(path, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError:
-            # Resume checkpoints may carry more than tensors (RNG states, numpy scalars).
-            # They come from our own trainer, so a full unpickle is acceptable.
-            obj = torch.load(path, map_location="cpu", weights_only=False)
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        raise WeightsError(f"{path}: refused: it holds Python objects other than tensors and plain containers "
+                           f"({found[1] if found else 'an unsupported pickle opcode'}), and unpickling them could "
+                           f"run code: pass weights saved as a state_dict of tensors, or a .safetensors file") from None
     except Exception as e:
         raise WeightsError(f"{path}: cannot be read by torch.load ({type(e).__name__}): "
                            f"pass a .pth written by the trainer") from None
@@ -69,6 +81,14 @@ def read_checkpoint(path):
         raise WeightsError(f"{path}: neither a weights file (name -> tensor) nor a resume checkpoint "
                            f"(dict with 'model' and 'model_config'): pass a .pth written by the trainer")
     return _strip_wrapper_prefixes(state), stored
+
+
+def _read_safetensors_file(path):
+    try:
+        return load_file(path)
+    except Exception as e:  # safetensors raises its own SafetensorError on a bad header
+        raise WeightsError(f"{path}: not a readable .safetensors file ({type(e).__name__}): "
+                           f"pass a .safetensors or .pth weights file") from None
 
 
 def load_weights(path):
@@ -291,7 +311,7 @@ def _read_safetensors(hf_dir):
         raise WeightsError(f"{hf_dir}: no model.safetensors there: re-export the folder with scripts/convert_model.py")
     state = {}
     for name in files:
-        state.update(load_file(hf_dir / name))
+        state.update(_read_safetensors_file(hf_dir / name))
     return state
 
 

@@ -4,7 +4,7 @@
     python scripts/convert_model.py --weight_path out/pretrain_64.pth --hidden_size 64 \
         --num_hidden_layers 2 --out_dir hf_out [--use_moe 1] [--format native|minimind]
 
-    # folder (either format) -> .pth for `--from_weight`
+    # folder (either format) -> .pth (or .safetensors) for `--from_weight`
     python scripts/convert_model.py --to_pth --hf_dir hf_out --out_path out/pretrain_64.pth
 
 --format native writes a transformers Qwen3 (dense) or Qwen3-MoE config plus model.safetensors
@@ -15,6 +15,7 @@ top-k, optional renormalisation, no shared expert), so MoE exports natively too.
 `from_pretrained(dir, trust_remote_code=True)`. Every export is loaded back and its
 logits compared with ours.
 """
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -124,10 +125,15 @@ def verify_export(model, out_dir, dtype=torch.float32, atol=1e-4, trust_remote_c
 
 
 def save_pth(state, out_path):
-    """Our .pth weight format: half-precision state_dict with our names, lm_head.weight included."""
+    """Our .pth weight format: half-precision state_dict with our names, lm_head.weight included.
+    An out_path ending in .safetensors gets the same tensors as a safetensors file."""
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({k: v.detach().half().contiguous() for k, v in state.items()}, out_path)
+    half = {k: v.detach().half().contiguous() for k, v in state.items()}  # separate copies: no shared storage
+    if out_path.suffix == ".safetensors":
+        save_file(half, out_path, metadata={"format": "pt"})
+    else:
+        torch.save(half, out_path)
 
 
 # -----------------------------------------------------------------------------
@@ -135,7 +141,8 @@ def save_pth(state, out_path):
 
 def parse_args(argv=None):
     p = OneLineArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--weight_path", help="weights .pth or resume checkpoint (default: out/pretrain_{hidden}[_moe].pth)")
+    p.add_argument("--weight_path", help="weights .pth / .safetensors or resume checkpoint "
+                                        "(default: out/pretrain_{hidden}[_moe].pth)")
     p.add_argument("--out_dir", default=str(REPO_ROOT / "hf_out"), help="folder to write (default: hf_out)")
     p.add_argument("--format", choices=("native", "minimind"), default="native",
                    help="native: stock transformers Qwen3 / Qwen3-MoE; minimind: our classes via trust_remote_code")
@@ -156,6 +163,8 @@ def parse_args(argv=None):
         p.error("--hf_dir and --out_path only go with --to_pth")
     if args.use_moe not in (None, 0, 1):
         p.error(f"--use_moe must be 0 or 1, got {args.use_moe}")
+    if not (math.isfinite(args.atol) and args.atol >= 0):
+        p.error(f"--atol must be a finite number >= 0, got {args.atol}")
     return args
 
 
@@ -189,6 +198,10 @@ def main(argv=None):
         to_pth(args) if args.to_pth else export(args)
     except WeightsError as e:  # bad input
         print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as e:  # reading is checked above, so this is --out_dir / --out_path
+        print(f"error: {e.filename}: cannot write there ({e.strerror}): pass --out_dir / --out_path "
+              f"a place you can write to", file=sys.stderr)
         sys.exit(2)
     except ExportError as e:  # a conversion bug, not the user's fault
         print(f"error: {e}", file=sys.stderr)

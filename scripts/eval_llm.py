@@ -21,6 +21,8 @@ import torch
 from dataset.lm_dataset import DataError, frame_document, iter_jsonl_texts, load_tokenizer
 from model.weights import SHAPE_FLAGS, WeightsError, default_weight_path, flag_default, load_model
 from trainer.cli import OneLineArgumentParser
+from trainer.preflight import check_device
+from trainer.trainer_utils import UserError
 
 
 class TextStreamer:
@@ -131,7 +133,8 @@ def interactive(model, tokenizer, args):
 
 def parse_args(argv=None):
     p = OneLineArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--weight_path", help="weights .pth or resume checkpoint (default: out/pretrain_{hidden}[_moe].pth)")
+    p.add_argument("--weight_path", help="weights .pth / .safetensors or resume checkpoint "
+                                        "(default: out/pretrain_{hidden}[_moe].pth)")
     p.add_argument("--hf_dir", help="a folder written by scripts/convert_model.py, instead of --weight_path")
     for name in SHAPE_FLAGS:
         p.add_argument(f"--{name}", type=int, default=None,
@@ -162,8 +165,16 @@ def parse_args(argv=None):
         p.error(f"--ppl_max_docs must be at least 1, got {args.ppl_max_docs}")
     if args.max_seq_len < 2:
         p.error(f"--max_seq_len must be at least 2 (room for BOS and EOS), got {args.max_seq_len}")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        p.error(f"--device {args.device} but CUDA is not available here: pass --device cpu")
+    if args.max_new_tokens < 0 or args.top_k < 0 or args.seed < 0:
+        p.error("--max_new_tokens, --top_k and --seed must not be negative")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        p.error(f"--temperature must be a finite number >= 0 (0 is greedy), got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        p.error(f"--top_p must be in (0, 1] (1 turns it off), got {args.top_p}")
+    try:
+        check_device(args.device)
+    except UserError as e:
+        p.error(str(e))
     if not (args.prompt or args.ppl_data or sys.stdin.isatty()):
         p.error("nothing to do: pass --prompt TEXT or --ppl_data FILE.jsonl (or run in a terminal to chat)")
     return args

@@ -1,6 +1,7 @@
 """Command-line flags of train_pretrain.py, parsed into one namespace and checked
 up front, so a bad flag costs a one-line message instead of a failed run."""
 import argparse
+import math
 from pathlib import Path
 
 import torch
@@ -44,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     mdl.add_argument("--max_seq_len", type=int, default=340)
     mdl.add_argument("--vocab_size", type=int, default=6400)
     mdl.add_argument("--use_moe", type=int, default=0, choices=[0, 1])
-    mdl.add_argument("--from_weight", default=None, help="initial weights (.pth or resume checkpoint)")
+    mdl.add_argument("--from_weight", default=None, help="initial weights (.pth, .safetensors or resume checkpoint)")
     mdl.add_argument("--from_resume", type=int, default=0, choices=[0, 1], help="1: continue from the latest checkpoint")
     mdl.add_argument("--tokenizer_path", default=str(REPO_ROOT / "model"))
 
@@ -75,20 +76,43 @@ def parse_args(argv=None):
     return build_parser().parse_args(argv)
 
 
+# Integer flags and their smallest allowed value.
+INT_MINIMUMS = {
+    "batch_size": 1, "accumulation_steps": 1, "epochs": 1, "hidden_size": 1, "num_hidden_layers": 1,
+    "max_seq_len": 2,  # room for BOS and EOS
+    "save_interval": 1, "log_interval": 1, "keep_last": 1, "max_bad_steps": 1, "eval_batches": 1,
+    "max_steps": 0, "global_batch_size": 0, "warmup_steps": 0, "eval_interval": 0, "num_workers": 0, "seed": 0,
+}
+# Float flags: (lowest allowed, whether the lowest itself is allowed, what the value means).
+FLOAT_RANGES = {
+    "learning_rate": (0.0, False, "the peak learning rate, e.g. 5e-4"),
+    "weight_decay": (0.0, True, "AdamW's decoupled weight decay, e.g. 0.01"),
+    "dist_timeout": (0.0, False, "seconds a collective may wait, e.g. 600"),
+    "peak_tflops": (0.0, True, "the device's peak TFLOP/s, 0 to look it up"),
+}
+
+
 def check_args(args, cuda_available: bool):
-    """Reject impossible settings before any work is done."""
-    for flag in ("batch_size", "accumulation_steps", "epochs", "max_seq_len", "hidden_size", "num_hidden_layers"):
-        if getattr(args, flag) < 1:
-            raise UserError(f"--{flag} must be at least 1, got {getattr(args, flag)}")
-    for flag in ("save_interval", "log_interval", "keep_last", "max_bad_steps"):
-        if getattr(args, flag) < 1:
-            raise UserError(f"--{flag} must be at least 1, got {getattr(args, flag)}")
-    if args.max_steps < 0 or args.global_batch_size < 0 or args.warmup_steps < 0:
-        raise UserError("--max_steps, --global_batch_size and --warmup_steps must not be negative")
+    """Reject impossible settings before any work is done: flags only, no files or processes."""
+    for flag, lowest in INT_MINIMUMS.items():
+        if getattr(args, flag) < lowest:
+            raise UserError(f"--{flag} must be at least {lowest}, got {getattr(args, flag)}")
+    if args.seed >= 2 ** 31:
+        raise UserError(f"--seed must be below 2**31 (numpy seeds are 32-bit), got {args.seed}")
+    for flag, (lowest, inclusive, meaning) in FLOAT_RANGES.items():
+        value = getattr(args, flag)
+        if not (math.isfinite(value) and (value >= lowest if inclusive else value > lowest)):
+            bound = f"{'at least' if inclusive else 'above'} {lowest:g}"
+            raise UserError(f"--{flag} must be a finite number {bound} ({meaning}), got {value}")
+    if math.isnan(args.grad_clip):
+        raise UserError("--grad_clip must be a number (0 or less turns clipping off), got nan")
     if not 0 <= args.val_fraction < 1:
         raise UserError(f"--val_fraction must be in [0, 1), got {args.val_fraction}")
     if args.hidden_size % 8:
         raise UserError(f"--hidden_size must be a multiple of 8 (8 attention heads), got {args.hidden_size}")
+    if not args.save_weight or set(args.save_weight) & {"/", "\\"} or args.save_weight in (".", ".."):
+        raise UserError(f"--save_weight {args.save_weight!r} is a file name prefix, not a path: "
+                        f"pass a plain name such as pretrain (folders go in --save_dir)")
     if args.dtype == "float16" and not cuda_available:
         raise UserError("--dtype float16 needs CUDA (its GradScaler is CUDA-only); on CPU use --dtype bfloat16 or float32")
     if args.parallel == "fsdp" and args.dtype == "float16":

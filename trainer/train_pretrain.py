@@ -32,6 +32,7 @@ from trainer.metrics import RunLogger, Throughput, device_peak_flops, flops_per_
 from trainer.parallel import (  # noqa: E402
     as_local_scalar, full_state_dict, gradient_sync, local_state_mib, weights_finite, wrap_model,
 )
+from trainer.preflight import check_device, check_output_dirs  # noqa: E402
 from trainer.resilience import PreemptionFlag, inject_crash, inject_nan  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
     Logger, UserError, all_reduce_sum, barrier, cleanup_distributed, fail, get_lr, init_distributed_mode,
@@ -77,6 +78,12 @@ def evaluate(net, val_loader, ctx, device, shifted) -> float:
 
 def main(argv=None):
     args = parse_args(argv)
+    try:
+        # Flags alone, before any process group: every rank stops the same way, at once.
+        check_args(args, torch.cuda.is_available())
+        check_device(args.device, args.local_rank)
+    except UserError as exc:
+        fail(str(exc))
     env = init_distributed_mode(args.device, args.local_rank, args.dist_timeout)
     try:
         exit_code = train(args, env)
@@ -121,11 +128,12 @@ def resume(args, prefix, config, model, optimizer, scaler, plan, env):
 
 def train(args, env) -> int:
     # ------------------------------------------------------------------ 1. settings
-    check_args(args, torch.cuda.is_available())
     dtype = resolve_dtype(args, env.device)
     device_type = "cuda" if env.device.startswith("cuda") else "cpu"
     autocast = nullcontext() if dtype == torch.float32 else torch.autocast(device_type, dtype=dtype)
     world_size, rank = env.world_size, env.rank
+    sharded = args.parallel == "fsdp" and env.distributed
+    check_output_dirs(args.save_dir, args.checkpoint_dir, sharded)
 
     # ------------------------------------------------------------------ 2. tokenizer, model config, data
     tokenizer = load_tokenizer(args.tokenizer_path)
@@ -143,7 +151,6 @@ def train(args, env) -> int:
     model = init_model(config, args.from_weight, env.device)
     setup_seed(args.seed + rank)
     active_params = count_parameters(model)[1]
-    sharded = args.parallel == "fsdp" and env.distributed
     net = wrap_model(model, args, env)  # FSDP shards `model` in place, so the optimizer comes after
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=(0.9, 0.95),
                                   weight_decay=args.weight_decay, fused=device_type == "cuda")

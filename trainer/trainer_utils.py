@@ -137,7 +137,9 @@ def fail(message: str, code: int = 2):
     before exiting: torchrun tears the whole group down when any rank exits, and rank
     0 must get its line out first.
     """
-    if is_main_process() or os.environ.get("LOCAL_RANK") == "0":
+    # Before the process group exists (flag checks come first) the launcher's RANK says who speaks.
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+    if rank == 0 or os.environ.get("LOCAL_RANK") == "0":
         print(f"error: {message}", file=sys.stderr, flush=True)
     else:
         time.sleep(1.0)
@@ -179,7 +181,11 @@ def init_model(config: MiniMindConfig, from_weight: str | None = None, device="c
     """Build the model in fp32, optionally from `--from_weight`, and print its size."""
     if from_weight:
         try:
-            model = build_model(load_weights(from_weight), config, f"--from_weight {from_weight}").train()
+            state = load_weights(from_weight)  # untrusted: tensors only, never a full unpickle
+        except WeightsError as exc:
+            raise UserError(f"--from_weight {exc}") from None
+        try:
+            model = build_model(state, config, f"--from_weight {from_weight}").train()
         except WeightsError as exc:
             raise UserError(str(exc)) from None
         Logger(f"loaded weights from {from_weight}")

@@ -1,0 +1,108 @@
+"""Start-up checks of the things a flag names outside the process: the device, and the
+folders the run will write to. They run before the first training step, so a typo
+costs one line at launch, not a run that trains for an hour and fails at its first save.
+"""
+import os
+import re
+import socket
+import tempfile
+import uuid
+
+import torch
+import torch.distributed as dist
+
+from trainer.trainer_utils import UserError, barrier, broadcast_from_main, is_main_process
+
+SHARED_MARKER = ".minimind_shared_check_"
+
+
+def check_device(device: str | None, local_rank_flag: int | None = None):
+    """`--device` must name a device this process can use; raises UserError saying why not.
+
+    Under a launcher (RANK set) each process takes cuda:LOCAL_RANK whatever N says (see
+    init_distributed_mode), so that GPU must exist; a single process takes cuda:N itself.
+    Checked before any process group is made: a bad CUDA device would otherwise end in
+    torch's AssertionError or an invalid-ordinal RuntimeError on every rank.
+    """
+    launched = "RANK" in os.environ
+    local_rank = int(os.environ.get("LOCAL_RANK", local_rank_flag or 0)) if launched else None
+    if device == "cpu" or (device is None and not (launched and torch.cuda.is_available())):
+        return
+    match = re.fullmatch(r"cuda(?::(\d+))?", device or "cuda")
+    if not match:
+        raise UserError(f"--device {device}: not a device this trainer runs on: pass --device cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        why = "this torch build has no CUDA" if torch.version.cuda is None else "no GPU is visible"
+        raise UserError(f"--device {device}: {why}: pass --device cpu")
+    count = torch.cuda.device_count()
+    if launched and local_rank >= count:
+        raise UserError(f"--device {device or 'cuda (the default)'}: this process has LOCAL_RANK {local_rank} and "
+                        f"takes cuda:{local_rank}, but {count} GPU(s) are visible: start at most {count} process(es) "
+                        f"per node, or pass --device cpu")
+    if not launched and match[1] is not None and int(match[1]) >= count:
+        raise UserError(f"--device {device}: GPU {match[1]} does not exist, {count} GPU(s) visible: "
+                        f"pass --device cuda:0 to cuda:{count - 1}, or --device cpu")
+
+
+def _writable_problem(flag: str, path: str) -> str | None:
+    """Create `path` if needed and write a file in it; None if that works, else one line."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".minimind_write_check_"):
+            pass
+    except FileExistsError:
+        return f"{flag} {path}: is a file, not a folder: pass a folder path (it is created if missing)"
+    except OSError as exc:
+        return f"{flag} {path}: cannot create or write there ({exc.strerror or type(exc).__name__}): " \
+               f"pass a folder you can write to"
+    return None
+
+
+def _agree(problem: str | None) -> str | None:
+    """The first rank's problem, on every rank, so all ranks stop or go on together."""
+    if not dist.is_initialized():
+        return problem
+    problems = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    return next((p for p in problems if p), None)
+
+
+def check_output_dirs(save_dir: str, checkpoint_dir: str, sharded: bool):
+    """Create --save_dir and --checkpoint_dir and make sure they take files, on every rank
+    that writes there: rank 0 for weights, metrics and .pth checkpoints; every rank for
+    sharded (DCP) checkpoints, whose folder must also be one folder shared by all nodes.
+    Every rank calls this; all take the same decision; raises UserError on a problem."""
+    problem = None
+    if is_main_process():
+        problem = _writable_problem("--save_dir", save_dir) or _writable_problem("--checkpoint_dir", checkpoint_dir)
+    if sharded:
+        problem = _agree(problem) or _agree(_writable_problem("--checkpoint_dir", checkpoint_dir))
+        problem = problem or check_shared(checkpoint_dir)
+    else:
+        problem = broadcast_from_main(problem)
+    if problem:
+        raise UserError(problem)
+
+
+def check_shared(checkpoint_dir: str) -> str | None:
+    """None if every rank sees the same --checkpoint_dir, else one line saying it is not shared.
+
+    Rank 0 writes a marker with a fresh name (a stale one from an earlier run must not
+    count), every rank looks for it after a barrier, and the answers are combined.
+    """
+    token = broadcast_from_main(uuid.uuid4().hex)
+    marker = os.path.join(checkpoint_dir, SHARED_MARKER + token)
+    if is_main_process():
+        with open(marker, "w"):
+            pass
+    barrier()
+    problem = None
+    if not os.path.exists(marker):
+        problem = (f"--checkpoint_dir {checkpoint_dir}: not shared by all nodes (rank {dist.get_rank()} on "
+                   f"{socket.gethostname()} cannot see a file rank 0 wrote there); --parallel fsdp saves every "
+                   f"rank's shard into one folder: pass a folder on a filesystem every node mounts at the same "
+                   f"path, or use --parallel ddp")
+    problem = _agree(problem)  # a gather: once it returns, every rank has looked
+    if is_main_process():
+        os.remove(marker)
+    return problem
