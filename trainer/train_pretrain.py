@@ -122,7 +122,7 @@ def resume(args, prefix, config, model, optimizer, scaler, plan, env):
 
 def train(args, env) -> int:
     # ------------------------------------------------------------------ 1. settings
-    check_args(args, torch.cuda.is_available())
+    check_args(args, env.device.startswith("cuda"))
     dtype = resolve_dtype(args, env.device)
     device_type = "cuda" if env.device.startswith("cuda") else "cpu"
     autocast = nullcontext() if dtype == torch.float32 else torch.autocast(device_type, dtype=dtype)
