@@ -96,7 +96,7 @@ OMP_NUM_THREADS=1 "$TORCHRUN" "${RDZV[@]}" --nproc_per_node="$NPROC" trainer/tra
     --data_path "$DATA/train.bin" --val_data_path "$DATA/val.bin" \
     "${SHAPE[@]}" --max_seq_len "$SEQ" --batch_size "$BATCH" --max_steps "$STEPS" \
     --learning_rate "$LR" --warmup_steps "$WARMUP" --eval_interval "$EVAL_INTERVAL" --eval_batches 1000 \
-    --log_interval "$(( STEPS < 100 ? 1 : 10 ))" --save_interval "$STEPS" --num_workers 0 \
+    --log_interval "$(( STEPS < 100 ? 1 : 10 ))" --save_interval "$STEPS" --num_workers 0 --device cpu \
     --save_dir "$OUT" --save_weight quickstart --checkpoint_dir "$OUT/checkpoints" \
     2>&1 | tee "$LOGS/train.log"
 # (--eval_batches 1000: the whole val set at every evaluation, not a slice of it;

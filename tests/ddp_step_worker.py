@@ -48,9 +48,9 @@ def main(out_path, batch, accum):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     args = SimpleNamespace(grad_clip=0, doc_mask=0)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    loss, *_ = optimizer_step(net, optimizer, scaler, micro, args, env, False, nullcontext(), False, False, 1)
+    result = optimizer_step(net, optimizer, scaler, micro, args, env, False, nullcontext(), False, False, 1)
     if env.rank == 0:
-        torch.save({"loss": loss, "weights": model.state_dict()}, out_path)
+        torch.save({"loss": result.mean_loss(), "weights": model.state_dict()}, out_path)
     del net, model, optimizer
     cleanup_distributed()
 

@@ -15,9 +15,10 @@ _TORCHRUN_BIN = Path(PYTHON).parent / "torchrun"
 TORCHRUN = [str(_TORCHRUN_BIN)] if _TORCHRUN_BIN.exists() else [PYTHON, "-m", "torch.distributed.run"]
 
 # hidden 64, 2 layers, seq 64: a step takes milliseconds, so process start-up dominates.
+# CPU and gloo everywhere, also on a GPU machine (where rank 1 would pick cuda:1).
 TINY = ["--hidden_size", "64", "--num_hidden_layers", "2", "--max_seq_len", "64", "--batch_size", "4",
         "--num_workers", "0", "--learning_rate", "2e-3", "--log_interval", "1", "--val_fraction", "0",
-        "--dist_timeout", "60"]
+        "--dist_timeout", "60", "--device", "cpu"]
 
 
 def free_port() -> int:
@@ -30,6 +31,9 @@ def run_env(tmp_path, extra=None) -> dict:
     env = dict(os.environ)
     # One thread per process: two ranks on two cores must not oversubscribe them.
     env.update(OMP_NUM_THREADS="1", TMPDIR=str(tmp_path), PYTHONUNBUFFERED="1")
+    # The launched runs are CPU runs: with a GPU visible, a 2-process job would put rank 1
+    # on cuda:1 (absent on a 1-GPU machine), and scripts without --device would use cuda:0.
+    env["CUDA_VISIBLE_DEVICES"] = ""
     for key in [k for k in env if k.startswith("MINIMIND_FAULT")]:
         del env[key]
     env.update(extra or {})

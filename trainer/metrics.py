@@ -59,8 +59,8 @@ class Throughput:
     def _reset(self):
         self.start, self.steps, self.real_tokens = time.time(), 0, 0.0
 
-    def add(self, real_tokens: float):
-        self.steps += 1
+    def add(self, real_tokens: float, steps: int = 1):
+        self.steps += steps
         self.real_tokens += real_tokens
 
     def report(self) -> tuple[float, float]:

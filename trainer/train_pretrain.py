@@ -11,6 +11,7 @@ import math
 import os
 import sys
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -80,7 +81,8 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         # Flags alone, before any process group: every rank stops the same way, at once.
-        check_args(args, torch.cuda.is_available())
+        # The float16 check is about the run's device (a CUDA machine may still run --device cpu).
+        check_args(args, (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda"))
         check_device(args.device, args.local_rank)
     except UserError as exc:
         fail(str(exc))
@@ -153,7 +155,7 @@ def train(args, env) -> int:
     active_params = count_parameters(model)[1]
     net = wrap_model(model, args, env)  # FSDP shards `model` in place, so the optimizer comes after
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=(0.9, 0.95),
-                                  weight_decay=args.weight_decay, fused=device_type == "cuda")
+                                  weight_decay=args.weight_decay, fused=True)
     scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
 
     # ------------------------------------------------------------------ 4. resume
@@ -198,6 +200,8 @@ def train(args, env) -> int:
 
     # ------------------------------------------------------------------ 6. train
     global_step, bad_steps = start_step, 0
+    totals, read_at_step = StepTotals(env.device), start_step
+    tokens_known = data.labels_are_shifted  # packed windows: no padding, every position is a target
     while global_step < total_steps:
         epoch, step_in_epoch = divmod(global_step, plan.steps_per_epoch)
         sampler.set_epoch(epoch)
@@ -209,35 +213,44 @@ def train(args, env) -> int:
             for group in optimizer.param_groups:
                 group["lr"] = lr
             micro_batches = [next(batches) for _ in range(plan.accumulation_steps)]
-            loss, aux, real_tokens, stop, skipped = optimizer_step(
+            result = optimizer_step(
                 net, optimizer, scaler, micro_batches, args, env, data.labels_are_shifted, autocast,
                 poison=inject_nan(global_step, rank), preempt_requested=preempt.requested,
-                bos_id=tokenizer.bos_token_id,
+                bos_id=tokenizer.bos_token_id, tokens_known=tokens_known,
             )
             if global_step == start_step:
                 weights_mib, optimizer_mib = local_state_mib(model, optimizer)
                 Logger(f"state per rank: weights {weights_mib:,.0f} MiB, optimizer {optimizer_mib:,.0f} MiB")
             global_step += 1
-            tokens_seen += int(real_tokens)
-            throughput.add(real_tokens)
+            totals.add(result)
             log.step_done()
-            bad_steps = bad_steps + 1 if skipped else 0
-            if skipped:
+            bad_steps = bad_steps + 1 if result.skipped else 0
+            if result.skipped:
                 Logger(f"step {global_step}: non-finite loss or gradient norm on some rank; update skipped "
                        f"({bad_steps}/{args.max_bad_steps} in a row)")
                 if bad_steps >= args.max_bad_steps:
                     raise UserError(f"{bad_steps} consecutive non-finite steps (--max_bad_steps {args.max_bad_steps}); "
                                     f"lower --learning_rate or check the data; the last good checkpoint is kept")
 
-            last = global_step == total_steps
-            if global_step % args.log_interval == 0 or last:
+            last, stop = global_step == total_steps, result.stop
+            log_now = global_step % args.log_interval == 0 or last
+            eval_now = val_loader is not None and (
+                last or (args.eval_interval and global_step % args.eval_interval == 0))
+            save_now = global_step % args.save_interval == 0 or last or stop
+            if log_now or eval_now or save_now:  # steps that read the device anyway
+                new_tokens = totals.take_tokens()
+                tokens_seen += new_tokens
+                throughput.add(new_tokens, steps=global_step - read_at_step)
+                read_at_step = global_step
+            if log_now:
+                loss, aux = totals.take_window()
                 tok_s, real_tok_s = throughput.report()
                 mfu = flops_token * tok_s / world_size / peak if peak else None
                 log.log_train(global_step, epoch, epochs, loss, aux, lr, tokens_seen, tok_s, real_tok_s, mfu)
-            if val_loader is not None and (last or (args.eval_interval and global_step % args.eval_interval == 0)):
+            if eval_now:
                 log.log_val(global_step, tokens_seen, evaluate(net, val_loader, autocast, env.device,
                                                                data.labels_are_shifted))
-            if global_step % args.save_interval == 0 or last or stop:
+            if save_now:
                 checkpoint(global_step)
             if stop:
                 Logger(f"preempted: saved step {global_step} to {args.checkpoint_dir}; resume with --from_resume 1")
@@ -248,20 +261,38 @@ def train(args, env) -> int:
     return 0
 
 
+@dataclass
+class StepResult:
+    stats: torch.Tensor  # on the device, summed over ranks: (loss x tokens, aux loss, tokens)
+    skipped: bool  # a non-finite loss or gradient norm on some rank: no update was made
+    stop: bool  # some rank was asked to stop (preemption)
+
+    def mean_loss(self) -> float:
+        return (self.stats[0] / self.stats[2]).item()
+
+
 def optimizer_step(net, optimizer, scaler, micro_batches, args, env, shifted, autocast, poison,
-                   preempt_requested, bos_id):
+                   preempt_requested, bos_id, tokens_known=False) -> StepResult:
     """Forward/backward over the micro-batches and one optimizer update.
 
     Every token of the global batch weighs the same: each micro-batch's summed loss
     is divided by the batch's token count over all ranks (DDP then averages the
     ranks' gradients, hence the world_size factor). With padding, the per-micro-batch
     mean of the seed would weigh short documents more, and differently per world size.
-    Returns (mean loss, aux loss, tokens, stop requested, update skipped), agreed by all ranks.
+    `tokens_known`: every target is real (packed windows), so the count needs no all-reduce.
+
+    The host reads the device once, for the skip/stop decision agreed by all ranks: on a
+    GPU every read waits for the queued work to finish, so the next step cannot be queued.
     """
     device, accum = env.device, len(micro_batches)
     batches = [(x.to(device, non_blocking=True), to_targets(y, shifted).to(device, non_blocking=True))
                for x, y in micro_batches]
-    tokens = all_reduce_sum(sum((t != -100).sum() for _, t in batches).double())
+    if tokens_known:
+        # torch.full fills on the device; torch.tensor(x, device=...) would be a blocking copy.
+        tokens = torch.full((), sum(t.numel() for _, t in batches) * env.world_size, dtype=torch.float64,
+                            device=device)
+    else:
+        tokens = all_reduce_sum(sum((t != -100).sum() for _, t in batches).double())
     per_rank_tokens = (tokens / env.world_size).float()
     loss_sum = torch.zeros((), device=device)
     aux_sum = torch.zeros((), device=device)
@@ -281,21 +312,57 @@ def optimizer_step(net, optimizer, scaler, micro_batches, args, env, shifted, au
     scaler.unscale_(optimizer)
     grad_norm = as_local_scalar(
         torch.nn.utils.clip_grad_norm_(net.parameters(), args.grad_clip if args.grad_clip > 0 else math.inf))
-    # One collective carries every per-step agreement: loss for logging, a non-finite
-    # loss on any rank, and a preemption request seen by any rank.
-    flags = torch.stack([loss_sum, aux_sum, (~torch.isfinite(loss_sum)).float(),
-                         torch.tensor(float(preempt_requested), device=device)])
-    all_reduce_sum(flags)
-    bad_loss = flags[2] > 0
     # Under fp16 the GradScaler owns inf gradients: it skips the step and lowers its scale.
-    bad_grad = not scaler.is_enabled() and not torch.isfinite(grad_norm)
-    skipped = bool(bad_loss or bad_grad)
+    bad_grad = torch.zeros((), device=device) if scaler.is_enabled() else (~torch.isfinite(grad_norm)).float()
+    # One collective carries every per-step agreement: the loss for logging, a non-finite
+    # loss or gradient norm on any rank, and a preemption request seen by any rank.
+    flags = torch.stack([loss_sum, aux_sum, (~torch.isfinite(loss_sum)).float(), bad_grad.to(loss_sum.dtype),
+                         torch.full((), float(preempt_requested), device=device)])
+    all_reduce_sum(flags)
+    bad_loss, bad_grad, stop = read_flags(flags[2:])
+    skipped = bad_loss or bad_grad
     if not skipped:
         scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    mean_loss = (flags[0] / tokens).item()
-    return mean_loss, (flags[1] / env.world_size).item(), tokens.item(), bool(flags[3] > 0), skipped
+    return StepResult(torch.stack([flags[0].double(), flags[1].double() / env.world_size, tokens]), skipped, stop)
+
+
+def read_flags(flags: torch.Tensor) -> list[bool]:
+    """flags > 0, read off the device in ONE host sync (as the bits of one integer)."""
+    bits = (flags > 0).long() << torch.arange(len(flags), device=flags.device)
+    code = int(bits.sum().item())
+    return [bool(code >> i & 1) for i in range(len(flags))]
+
+
+class StepTotals:
+    """Per-step figures summed on the device and read by the host only when it logs or
+    saves anyway, so that ordinary steps stay free of device-to-host reads."""
+
+    def __init__(self, device):
+        self.window = torch.zeros(3, dtype=torch.float64, device=device)  # StepResult.stats, updates made
+        self.updates = 0
+        self.tokens = torch.zeros((), dtype=torch.float64, device=device)  # every step's, since the last read
+
+    def add(self, result: StepResult):
+        self.tokens += result.stats[2]
+        if not result.skipped:  # a skipped step's NaN loss would hide the others' in the mean
+            self.window += result.stats
+            self.updates += 1
+
+    def take_tokens(self) -> int:
+        tokens = int(self.tokens.item())
+        self.tokens.zero_()
+        return tokens
+
+    def take_window(self) -> tuple[float, float]:
+        """(token-weighted mean loss, mean aux loss) over the updates since the last call."""
+        loss_x_tokens, aux, tokens = self.window.tolist()
+        updates, self.updates = self.updates, 0
+        self.window.zero_()
+        if not updates:
+            return math.nan, math.nan
+        return loss_x_tokens / tokens, aux / updates
 
 
 if __name__ == "__main__":

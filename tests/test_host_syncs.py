@@ -1,0 +1,84 @@
+"""The real training loop reads the device from the host at most once per optimizer step.
+
+On a GPU every such read (`.item()`, `bool(t)`, `float(t)`: aten._local_scalar_dense)
+waits until the queued kernels have run, so the host cannot queue the next step
+meanwhile. The loop runs in this process under a dispatch mode that counts those
+reads; a 10-step and a 30-step run differ only by 20 steps that neither log, save
+nor evaluate, so the difference divided by 20 is the per-step figure.
+"""
+import signal
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from scripts.prepare_data import prepare
+from tests.launch_utils import REPO_ROOT, out_args
+from trainer.args import parse_args
+from trainer.train_pretrain import read_flags, train
+from trainer.trainer_utils import init_distributed_mode
+
+DEMO = REPO_ROOT / "dataset" / "demo_pretrain.jsonl"
+FAR = "1000"  # log, save and eval intervals beyond the run: only the last step does them
+
+
+class CountHostReads(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory):
+    if not DEMO.exists():
+        from scripts.build_demo_corpus import ensure_demo_corpus
+
+        ensure_demo_corpus(DEMO)
+    work = tmp_path_factory.mktemp("syncs")
+    small = work / "small.jsonl"
+    small.write_text("".join(DEMO.open().readlines()[:300]))
+    prepare(small, work / "small.bin", num_proc=1)
+    return {"packed": work / "small.bin", "padded": small}
+
+
+@pytest.fixture
+def in_process_run():
+    """train() installs its preemption handlers; give pytest its own back. One thread, as
+    the launched tests use: two threads on a shared two-core machine mostly wait for each other."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+def host_reads(data_path, run_dir, steps) -> int:
+    args = parse_args(["--hidden_size", "64", "--num_hidden_layers", "2", "--max_seq_len", "64",
+                       "--batch_size", "4", "--num_workers", "0", "--val_fraction", "0.05", "--eval_batches", "1",
+                       "--device", "cpu", "--data_path", str(data_path), *out_args(run_dir), "--max_steps", str(steps),
+                       "--log_interval", FAR, "--save_interval", FAR, "--eval_interval", FAR])
+    env = init_distributed_mode(args.device, args.local_rank, args.dist_timeout)
+    with CountHostReads() as counter:
+        assert train(args, env) == 0
+    return counter.reads
+
+
+@pytest.mark.parametrize("kind", ["packed", "padded"])
+def test_at_most_one_host_read_per_optimizer_step(corpora, tmp_path, kind, in_process_run):
+    short = host_reads(corpora[kind], tmp_path / "short", 10)
+    long = host_reads(corpora[kind], tmp_path / "long", 30)
+    assert short > 0, "the counter saw no host read at all: it is not counting"
+    assert (long - short) / 20 <= 1, f"{(long - short) / 20:.2f} host reads per optimizer step"
+
+
+def test_read_flags_decodes_every_combination():
+    for code in range(8):
+        flags = torch.tensor([float(code >> i & 1) * (i + 1) for i in range(3)])
+        assert read_flags(flags) == [bool(code >> i & 1) for i in range(3)]
