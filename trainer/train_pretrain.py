@@ -169,7 +169,7 @@ def train(args, env) -> int:
     log = RunLogger(args, prefix, is_main_process(), start_step, total_steps, wandb_id, env.device)
     preempt = PreemptionFlag()
     preempt.install()
-    throughput = Throughput(plan.samples_per_step * args.max_seq_len)
+    throughput = Throughput(plan.samples_per_step * args.max_seq_len, env.device)
     peak = device_peak_flops(env.device, args.peak_tflops)
     flops_token = flops_per_token(config, active_params, args.max_seq_len)
     epochs = math.ceil(total_steps / plan.steps_per_epoch)
@@ -227,11 +227,14 @@ def train(args, env) -> int:
                 tok_s, real_tok_s = throughput.report()
                 mfu = flops_token * tok_s / world_size / peak if peak else None
                 log.log_train(global_step, epoch, epochs, loss, aux, lr, tokens_seen, tok_s, real_tok_s, mfu)
-            if val_loader is not None and (last or (args.eval_interval and global_step % args.eval_interval == 0)):
-                log.log_val(global_step, tokens_seen, evaluate(net, val_loader, autocast, env.device,
-                                                               data.labels_are_shifted))
-            if global_step % args.save_interval == 0 or last or stop:
-                checkpoint(global_step)
+            validate = val_loader is not None and (last or (args.eval_interval and global_step % args.eval_interval == 0))
+            save = global_step % args.save_interval == 0 or last or stop
+            with throughput.paused(validate or save):  # tokens/s and MFU count training time only
+                if validate:
+                    log.log_val(global_step, tokens_seen, evaluate(net, val_loader, autocast, env.device,
+                                                                   data.labels_are_shifted))
+                if save:
+                    checkpoint(global_step)
             if stop:
                 Logger(f"preempted: saved step {global_step} to {args.checkpoint_dir}; resume with --from_resume 1")
                 log.close()
