@@ -25,6 +25,8 @@ end of its log, and the others still run.
 import argparse
 import json
 import os
+import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -72,6 +74,7 @@ def parse_args():
     p.add_argument("--threads", type=int, default=1, help="threads of each single-process variant (d: 1 per process)")
     p.add_argument("--timeout", type=float, default=0, help="seconds one variant run may take (0: no limit)")
     p.add_argument("--out", default=None, help="also write the table as JSON here")
+    p.add_argument("--keep_logs", default=None, help="copy each variant's training log into this folder")
     args = p.parse_args()
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
@@ -127,6 +130,9 @@ def run_variant(key, args, work_dir):
         proc = subprocess.Popen([*launcher, str(TRAIN), *flags], env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         exit_code, usage = wait_with_usage(proc, args.timeout)
+    if args.keep_logs:
+        Path(args.keep_logs).mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(log_path, Path(args.keep_logs) / f"{key}_{re.sub(r'[^A-Za-z0-9]+', '_', label(key, args))}.log")
     if exit_code != 0:
         why = f"timed out after {args.timeout:.0f} s" if exit_code is None else f"rc {exit_code}"
         raise VariantFailed(f"{why}\n" + "\n".join(log_path.read_text(errors="replace").splitlines()[-15:]))
@@ -140,8 +146,8 @@ class VariantFailed(Exception):
 
 
 def wait_with_usage(proc, timeout):
-    """(exit code, resource usage) of proc; past timeout seconds its whole process group is
-    killed and the exit code is None."""
+    """(exit code, resource usage) of proc; past timeout seconds it is stopped and the exit
+    code is None."""
     deadline = time.monotonic() + timeout if timeout else None
     try:
         while True:
@@ -149,12 +155,24 @@ def wait_with_usage(proc, timeout):
             if pid:
                 return os.waitstatus_to_exitcode(status), usage
             if deadline and time.monotonic() > deadline:
-                os.killpg(proc.pid, signal.SIGKILL)
+                stop(proc)
                 return None, os.wait4(proc.pid, 0)[2]
             time.sleep(0.2)
     except KeyboardInterrupt:  # its own session does not get our Ctrl-C
-        os.killpg(proc.pid, signal.SIGKILL)
+        stop(proc)
         raise
+
+
+def stop(proc, grace=20):
+    """SIGTERM first: torchrun starts its workers in sessions of their own and only passes a
+    SIGTERM on to them (a SIGKILL would leave them running, holding the GPU)."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        if os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+            return
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
 
 
 def summarise(key, rows, rss, args):
