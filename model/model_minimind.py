@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_attention
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers import initialization as hf_init
 
@@ -159,12 +160,10 @@ class Attention(nn.Module):
             v = torch.cat([past_kv[1], v], dim=2)
         # Only returned when asked: these are views, and FSDP warns about view outputs.
         present = (k, v) if use_cache else None
-        # GQA: each group of query heads shares one key/value head.
-        groups = self.num_heads // self.num_kv_heads
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
         dropout = self.dropout if self.training else 0.0
-        if attention_mask is None and past_len == 0:
+        if isinstance(attention_mask, BlockMask):
+            out = self._flex_attend(q, k, v, attention_mask, dropout)
+        elif attention_mask is None and past_len == 0:
             out = self._attend(q, k, v, None, dropout, is_causal=True)
         else:
             mask = build_attention_mask(attention_mask, T, past_len, x.device)
@@ -173,9 +172,19 @@ class Attention(nn.Module):
         return self.o_proj(out), present
 
     def _attend(self, q, k, v, mask, dropout, is_causal):
+        # GQA: each group of query heads shares one key/value head.
+        groups = self.num_heads // self.num_kv_heads
         if self.use_sdpa:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal)
+            # SDPA reads the shared K/V heads itself (no copies) where its fused kernel can:
+            # always without a mask; with one only on CPU, since CUDA's memory-efficient
+            # kernel, the one that takes masks, has no GQA and would fall back to plain math.
+            gqa_in_kernel = mask is None or q.device.type == "cpu"
+            if not gqa_in_kernel:
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal,
+                                                  enable_gqa=gqa_in_kernel and groups > 1)
         # Plain-math attention, kept for reading and for debugging SDPA itself.
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
         if is_causal:
             T, S = q.shape[2], k.shape[2]
@@ -183,6 +192,32 @@ class Attention(nn.Module):
         scores = scores.masked_fill(~mask, float("-inf"))
         weights = F.dropout(scores.float().softmax(-1).to(q.dtype), dropout, self.training)
         return weights @ v
+
+    def _flex_attend(self, q, k, v, block_mask, dropout):
+        """FlexAttention with a block-sparse mask (the packed path's document mask): fully
+        masked blocks are skipped, where a dense (B,1,T,T) mask would rule out flash kernels."""
+        if dropout or not self.use_sdpa:
+            # FlexAttention has no dropout; the dense mask gives the same attention.
+            dense = create_mask(block_mask.mask_mod, q.shape[0], 1, q.shape[2], k.shape[2], device=q.device)
+            return self._attend(q, k, v, dense, dropout, is_causal=False)
+        # Under autocast q and k leave the fp32 RMSNorm in fp32 and v is bf16; SDPA's autocast
+        # rule casts them alike, FlexAttention needs it done here.
+        q, k = q.to(v.dtype), k.to(v.dtype)
+        # Inside a torch.compile'd model (--use_compile 1) dynamo traces flex_attention itself.
+        attend = flex_attention if torch.compiler.is_compiling() else compiled_flex_attention()
+        return attend(q, k, v, block_mask=block_mask, enable_gqa=self.num_heads != self.num_kv_heads)
+
+
+_COMPILED_FLEX = None
+
+
+def compiled_flex_attention():
+    """flex_attention is fast only compiled (eagerly it materialises every score): compiled
+    once, on first use, so importing the model costs nothing."""
+    global _COMPILED_FLEX
+    if _COMPILED_FLEX is None:
+        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED_FLEX
 
 
 class FeedForward(nn.Module):

@@ -13,16 +13,32 @@ import json
 import math
 import netrc
 import os
+import re
 import resource
 import sys
 import time
+from contextlib import contextmanager
 
 import torch
 from tqdm import tqdm
 
-# Dense bf16 tensor-core peaks in TFLOPS, by a substring of torch.cuda.get_device_name().
-PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0,
-                    "L40": 181.0, "A10": 125.0, "L4": 121.0, "4090": 165.0, "3090": 71.0, "V100": 125.0}
+# Dense (not 2:4 sparse) bf16 tensor-core peaks in TFLOP/s, matched against
+# torch.cuda.get_device_name(). The first pattern that matches wins, so a form factor
+# (PCIe, NVL) comes before its family, and each name is matched whole ("L40" is not "L40S").
+PEAK_BF16_TFLOPS = [
+    (r"H[18]00\b.*\bPCIe", 756.0),   # 'NVIDIA H100 PCIe'
+    (r"H[12]00\b.*\bNVL", 835.0),    # 'NVIDIA H100 NVL', 'NVIDIA H200 NVL'
+    (r"H[128]00\b", 989.0),          # SXM: 'NVIDIA H100 80GB HBM3', 'NVIDIA H200', 'NVIDIA H800'
+    (r"A[18]00\b", 312.0),           # 'NVIDIA A100-SXM4-80GB', 'NVIDIA A100 80GB PCIe'
+    (r"L40S\b", 362.0),
+    (r"L40\b", 181.0),
+    (r"L4\b", 121.0),
+    (r"A10\b", 125.0),
+    (r"RTX 4090\b", 165.0),
+    (r"RTX 3090\b", 71.0),
+    (r"V100\b", 125.0),              # fp16: no bf16 on V100
+    (r"GH200\b", 989.0),             # Grace Hopper: an H100 or H200 SXM-class GPU
+]
 
 
 def peak_memory_mib(device: str) -> float:
@@ -37,34 +53,59 @@ def flops_per_token(config, active_params: int, seq_len: int) -> float:
     return 6 * active_params + attention
 
 
+def peak_bf16_tflops(device_name: str) -> float | None:
+    """The dense bf16 peak of a GPU named as torch.cuda.get_device_name() names it, or None."""
+    for pattern, tflops in PEAK_BF16_TFLOPS:
+        if re.search(r"(?<![A-Za-z0-9])" + pattern, device_name, re.IGNORECASE):
+            return tflops
+    return None
+
+
 def device_peak_flops(device: str, override_tflops: float = 0) -> float | None:
     if override_tflops:
         return override_tflops * 1e12
     if not device.startswith("cuda"):
         return None
-    name = torch.cuda.get_device_name(torch.device(device))
-    for key, tflops in PEAK_BF16_TFLOPS.items():
-        if key in name:
-            return tflops * 1e12
-    return None
+    tflops = peak_bf16_tflops(torch.cuda.get_device_name(torch.device(device)))
+    return tflops * 1e12 if tflops else None
 
 
 class Throughput:
-    """Tokens per second, all positions and real (non-pad) ones, since the last report."""
+    """Tokens per second, all positions and real (non-pad) ones, since the last report,
+    over training time only: time inside paused() (validation, checkpoints) is left out."""
 
-    def __init__(self, tokens_per_step: int):
+    def __init__(self, tokens_per_step: int, device: str = "cpu"):
         self.tokens_per_step = tokens_per_step
+        self.cuda = device.startswith("cuda")
         self._reset()
 
+    def _now(self) -> float:
+        # Wait for queued GPU work, so it is counted on the side of the clock it belongs to.
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
     def _reset(self):
-        self.start, self.steps, self.real_tokens = time.time(), 0, 0.0
+        self.start, self.steps, self.real_tokens = self._now(), 0, 0.0
 
     def add(self, real_tokens: float, steps: int = 1):
         self.steps += steps
         self.real_tokens += real_tokens
 
+    @contextmanager
+    def paused(self, active: bool = True):
+        """Leave the time of the block out of the rates (inactive: no clock, no GPU sync)."""
+        if not active:
+            yield
+            return
+        began = self._now()
+        try:
+            yield
+        finally:
+            self.start += self._now() - began
+
     def report(self) -> tuple[float, float]:
-        elapsed = time.time() - self.start
+        elapsed = self._now() - self.start
         rates = self.steps * self.tokens_per_step / elapsed, self.real_tokens / elapsed
         self._reset()
         return rates

@@ -178,7 +178,7 @@ def train(args, env) -> int:
     log = RunLogger(args, prefix, is_main_process(), start_step, total_steps, wandb_id, env.device)
     preempt = PreemptionFlag()
     preempt.install()
-    throughput = Throughput(plan.samples_per_step * args.max_seq_len)
+    throughput = Throughput(plan.samples_per_step * args.max_seq_len, env.device)
     peak = device_peak_flops(env.device, args.peak_tflops)
     flops_token = flops_per_token(config, active_params, args.max_seq_len)
     epochs = math.ceil(total_steps / plan.steps_per_epoch)
@@ -247,11 +247,12 @@ def train(args, env) -> int:
                 tok_s, real_tok_s = throughput.report()
                 mfu = flops_token * tok_s / world_size / peak if peak else None
                 log.log_train(global_step, epoch, epochs, loss, aux, lr, tokens_seen, tok_s, real_tok_s, mfu)
-            if eval_now:
-                log.log_val(global_step, tokens_seen, evaluate(net, val_loader, autocast, env.device,
-                                                               data.labels_are_shifted))
-            if save_now:
-                checkpoint(global_step)
+            with throughput.paused(eval_now or save_now):  # tokens/s and MFU count training time only
+                if eval_now:
+                    log.log_val(global_step, tokens_seen, evaluate(net, val_loader, autocast, env.device,
+                                                                   data.labels_are_shifted))
+                if save_now:
+                    checkpoint(global_step)
             if stop:
                 Logger(f"preempted: saved step {global_step} to {args.checkpoint_dir}; resume with --from_resume 1")
                 log.close()

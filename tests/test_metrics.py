@@ -1,0 +1,110 @@
+"""MFU's inputs: the GPU peak looked up by device name, and a clock that counts training
+time only (validation and checkpoint saves left out)."""
+import json
+import signal
+import time
+
+import pytest
+
+from tests.helpers_data import SAMPLE_TEXTS
+from trainer import metrics, train_pretrain
+from trainer.metrics import Throughput, device_peak_flops, peak_bf16_tflops
+
+# torch.cuda.get_device_name() strings, as the drivers report them.
+NAMES = [
+    ("NVIDIA H100 80GB HBM3", 989.0),     # SXM
+    ("NVIDIA H100 PCIe", 756.0),
+    ("NVIDIA H100 NVL", 835.0),
+    ("NVIDIA H200", 989.0),               # SXM
+    ("NVIDIA H200 NVL", 835.0),
+    ("NVIDIA H800", 989.0),
+    ("NVIDIA A100-SXM4-80GB", 312.0),
+    ("NVIDIA A100-PCIE-40GB", 312.0),
+    ("NVIDIA A100 80GB PCIe", 312.0),
+    ("NVIDIA L40S", 362.0),
+    ("NVIDIA L40", 181.0),
+    ("NVIDIA L4", 121.0),
+    ("NVIDIA A10", 125.0),
+    ("NVIDIA GeForce RTX 4090", 165.0),
+    ("NVIDIA GeForce RTX 3090", 71.0),
+    ("Tesla V100-SXM2-16GB", 125.0),
+    ("NVIDIA GH200 480GB", 989.0),
+]
+
+
+@pytest.mark.parametrize("name,tflops", NAMES)
+def test_peak_bf16_tflops_by_device_name(name, tflops):
+    assert peak_bf16_tflops(name) == tflops
+
+
+@pytest.mark.parametrize("name", ["NVIDIA GeForce RTX 4080", "NVIDIA A40", "NVIDIA A1000", "NVIDIA L20", "AMD Instinct MI300X"])
+def test_unknown_gpus_have_no_peak(name):
+    assert peak_bf16_tflops(name) is None
+
+
+def test_peak_override_and_cpu():
+    assert device_peak_flops("cpu") is None
+    assert device_peak_flops("cpu", override_tflops=100) == 100e12
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_throughput_leaves_paused_time_out(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(metrics.time, "perf_counter", clock)
+    meter = Throughput(tokens_per_step=100)
+    meter.add(real_tokens=80)
+    clock.now += 2  # training
+    with meter.paused():
+        clock.now += 50  # a validation or a save
+    with meter.paused(active=False):
+        clock.now += 0  # steps with neither: no clock read at all
+    meter.add(real_tokens=80)
+    clock.now += 2  # training
+    assert meter.report() == (200 / 4, 160 / 4)
+    clock.now += 1
+    meter.add(real_tokens=100)
+    assert meter.report() == (100, 100)  # report() starts the next interval
+
+
+def test_trainer_rates_exclude_validation_and_checkpoint_time(tmp_path, monkeypatch):
+    """A real in-process run whose every validation and save 'takes' 100 s of the clock:
+    tokens/s must not see them (without the pause it would fall below 2)."""
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": t * 3}) + "\n" for t in SAMPLE_TEXTS * 8))
+    clock = {"offset": 0.0}
+    real_counter = time.perf_counter
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: real_counter() + clock["offset"])
+
+    def slow(fn):
+        def wrapped(*args, **kwargs):
+            clock["offset"] += 100
+            return fn(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(train_pretrain, "evaluate", slow(train_pretrain.evaluate))
+    monkeypatch.setattr(train_pretrain, "save_checkpoint", slow(train_pretrain.save_checkpoint))
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            train_pretrain.main([
+                "--data_path", str(data), "--device", "cpu", "--hidden_size", "64", "--num_hidden_layers", "2",
+                "--max_seq_len", "32", "--batch_size", "2", "--max_steps", "6", "--log_interval", "2",
+                "--save_interval", "2", "--eval_interval", "2", "--val_fraction", "0.2", "--eval_batches", "1",
+                "--num_workers", "0", "--save_dir", str(tmp_path / "out"), "--checkpoint_dir", str(tmp_path / "ckpt"),
+            ])
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert exit_.value.code == 0
+    rows = [json.loads(line) for line in (tmp_path / "out" / "pretrain_64_metrics.jsonl").open()]
+    train_rows = [r for r in rows if r["kind"] == "train"]
+    assert [r["step"] for r in train_rows] == [2, 4, 6] and clock["offset"] >= 600
+    # 2 steps x 2 x 32 tokens per interval: 100 s of eval+save in it would mean < 1.3 tokens/s.
+    assert all(r["tokens_per_s"] > 10 for r in train_rows), train_rows
