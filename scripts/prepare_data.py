@@ -162,7 +162,8 @@ def write_all(out, todo, chunk_lines, num_proc, skip_bad_lines, init_args):
     sizes = {i: path.stat().st_size for i, path in todo}
     base = dict(zip(sizes, itertools.accumulate([0, *sizes.values()])))  # bytes before each input
     current = None
-    bar = tqdm(total=sum(sizes.values()), unit="B", unit_scale=True, desc="tokenizing")
+    bar = tqdm(total=sum(sizes.values()), unit="B", unit_scale=True, desc="tokenizing",
+               disable=None)  # no bar in logs, so an error stays one line there
     with bar:
         for index, done, chunk_tokens, doc_lens, bad in encode_all(all_tasks(todo, chunk_lines, init_args[2]),
                                                                    num_proc, init_args):
