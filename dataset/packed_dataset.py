@@ -12,6 +12,8 @@ token of the stream except the very first is a prediction target exactly once.
 """
 
 import json
+import os
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -89,29 +91,36 @@ def read_meta(bin_path):
 
 
 class PackedPretrainDataset(Dataset):
-    """Non-overlapping windows of max_length+1 tokens; labels come already shifted, no -100."""
+    """Non-overlapping windows of max_length+1 tokens; labels come already shifted, no -100.
+
+    The stream may be split over several shards (see dataset/shards.py): they are read as
+    one stream, so a window may begin in one shard and end in the next. Shards are
+    memory-mapped lazily, in each process, and at most `max_open` at a time.
+    """
 
     labels_are_shifted = True
 
     def __init__(self, bin_path, max_length, vocab_size=None, tokenizer=None):
-        self.bin_path = str(bin_path)
+        meta = read_meta(bin_path)
+        self._setup(str(bin_path), [(str(bin_path), meta["num_tokens"])], meta, max_length, vocab_size,
+                    tokenizer)
+
+    def _setup(self, name, shards, meta, max_length, vocab_size, tokenizer, max_open=8):
+        """name: what error messages call the data; shards: [(path, num_tokens)] in stream order."""
+        self.bin_path = name
         self.max_length = max_length
-        self.meta = meta = read_meta(bin_path)
-        if tokenizer is not None and len(tokenizer) != meta["vocab_size"]:
-            raise DataError(f"{bin_path}: was tokenized with vocab_size {meta['vocab_size']} "
-                            f"({meta['tokenizer']}) but the tokenizer in use has {len(tokenizer)} tokens; "
-                            f"re-run scripts/prepare_data.py with this tokenizer")
-        if vocab_size is not None and meta["vocab_size"] > vocab_size:
-            raise DataError(f"{bin_path}: token ids go up to vocab_size {meta['vocab_size']} but the model's "
-                            f"vocab_size is {vocab_size}; raise the model's vocab_size or re-tokenize")
-        if meta["num_tokens"] < max_length + 1:
-            raise DataError(f"{bin_path}: has {meta['num_tokens']} tokens, fewer than one window of "
-                            f"max_length+1 = {max_length + 1}; use more data or a smaller max_length")
-        self.num_tokens = meta["num_tokens"]
+        self.meta = meta
+        check_fits(name, meta, max_length, vocab_size, tokenizer)
+        self.shard_paths = [str(path) for path, _ in shards]
+        # shard s holds stream positions [starts[s], starts[s + 1])
+        self._starts = np.concatenate([[0], np.cumsum([n for _, n in shards], dtype=np.int64)])
+        self.num_tokens = int(self._starts[-1])
         self.bos_token_id = meta["bos_token_id"]
         self.eos_token_id = meta["eos_token_id"]
         self._dtype = DTYPES[meta["dtype"]]
-        self._tokens = None  # np.memmap, opened lazily in each process (see _stream)
+        self.max_open = max_open
+        self._open = OrderedDict()  # shard index -> np.memmap, least recently used first
+        self._open_pid = None
 
     def __len__(self):
         return (self.num_tokens - 1) // self.max_length
@@ -120,20 +129,56 @@ class PackedPretrainDataset(Dataset):
         if not 0 <= index < len(self):
             raise IndexError(f"window {index} out of range for {len(self)} windows")
         start = index * self.max_length
-        window = self._stream()[start:start + self.max_length + 1]
-        window = torch.from_numpy(window.astype(np.int64))
+        window = torch.from_numpy(self._read(start, start + self.max_length + 1).astype(np.int64))
         return window[:-1], window[1:]
 
-    def _stream(self):
-        if self._tokens is None:
-            self._tokens = np.memmap(self.bin_path, dtype=self._dtype, mode="r", shape=(self.num_tokens,))
-        return self._tokens
+    def _read(self, start, stop):
+        """Stream positions [start, stop), gathered from as many shards as they span."""
+        pieces = []
+        s = int(np.searchsorted(self._starts, start, side="right")) - 1
+        while start < stop:
+            end = min(stop, int(self._starts[s + 1]))
+            offset = int(self._starts[s])
+            pieces.append(self._shard(s)[start - offset:end - offset])
+            start, s = end, s + 1
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+    def _shard(self, s):
+        # A map inherited through fork is fine to read, but the cache is per process so
+        # that eviction in one worker never touches another's.
+        if self._open_pid != os.getpid():
+            self._open, self._open_pid = OrderedDict(), os.getpid()
+        tokens = self._open.get(s)
+        if tokens is None:
+            # each open memmap holds a file descriptor and a mapping; keep a few, not one per shard
+            if len(self._open) >= self.max_open:
+                self._open.popitem(last=False)
+            n = int(self._starts[s + 1] - self._starts[s])
+            tokens = np.memmap(self.shard_paths[s], dtype=self._dtype, mode="r", shape=(n,))
+            self._open[s] = tokens
+        else:
+            self._open.move_to_end(s)
+        return tokens
 
     def __getstate__(self):
-        # a pickled memmap turns into a full in-RAM copy; send workers the path instead
+        # a pickled memmap turns into a full in-RAM copy; send workers the paths instead
         state = self.__dict__.copy()
-        state["_tokens"] = None
+        state["_open"], state["_open_pid"] = OrderedDict(), None
         return state
+
+
+def check_fits(name, meta, max_length, vocab_size=None, tokenizer=None):
+    """The stream described by meta suits this tokenizer, model vocab and window length."""
+    if tokenizer is not None and len(tokenizer) != meta["vocab_size"]:
+        raise DataError(f"{name}: was tokenized with vocab_size {meta['vocab_size']} "
+                        f"({meta['tokenizer']}) but the tokenizer in use has {len(tokenizer)} tokens; "
+                        f"re-run scripts/prepare_data.py with this tokenizer")
+    if vocab_size is not None and meta["vocab_size"] > vocab_size:
+        raise DataError(f"{name}: token ids go up to vocab_size {meta['vocab_size']} but the model's "
+                        f"vocab_size is {vocab_size}; raise the model's vocab_size or re-tokenize")
+    if meta["num_tokens"] < max_length + 1:
+        raise DataError(f"{name}: has {meta['num_tokens']} tokens, fewer than one window of "
+                        f"max_length+1 = {max_length + 1}; use more data or a smaller max_length")
 
 
 def document_ids(input_ids, bos_token_id):

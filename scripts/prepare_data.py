@@ -1,17 +1,25 @@
 """
-Tokenize a JSONL corpus once into the flat token stream read by PackedPretrainDataset.
+Tokenize a corpus once into the flat token stream read by PackedPretrainDataset.
 
     python scripts/prepare_data.py --data_path corpus.jsonl --out_path corpus.bin
+    python scripts/prepare_data.py --data_path 'data/*.parquet' --out_path data_bin/   # one shard per file
+    # on machine I of N, all into one shared directory:
+    python scripts/prepare_data.py --data_path 'data/*.jsonl' --out_path /shared/bin --num_shards N --shard_index I
 
-Writes corpus.bin (BOS + tokens + EOS per document, concatenated) and corpus.bin.json.
-Streaming: chunks of lines go to a process pool and come back in order, and each chunk's
-tokens are appended to the output as it arrives, so memory does not grow with the corpus.
-Output goes to a temp file that replaces out_path only when everything succeeded.
+--data_path is a file, a directory or a quoted glob of .jsonl and .parquet files, taken
+in sorted order. An --out_path ending in .bin gets all of them as one stream (+ its
+.bin.json); any other --out_path is a directory of shards (see dataset/shards.py and
+shard_output.py here) with a manifest.json, written when every input file is done.
+
+Streaming: chunks of documents go to a process pool and come back in order, and each
+chunk's tokens are appended to the output as it arrives, so memory does not grow with
+the corpus. Output goes to temp names renamed only once complete.
 """
 
 import argparse
 import itertools
 import os
+import resource
 import sys
 import time
 from multiprocessing import Pool
@@ -23,155 +31,203 @@ sys.path.insert(0, str(REPO_ROOT))
 import numpy as np
 from tqdm import tqdm
 
-from dataset.lm_dataset import DataError, iter_raw_lines, load_tokenizer, open_data_file, parse_line
-from dataset.packed_dataset import DTYPES, dtype_for_vocab, meta_path, write_meta
+from dataset.lm_dataset import DataError, iter_raw_lines, load_tokenizer
+from dataset.packed_dataset import DTYPES, dtype_for_vocab
+from dataset.sources import TEXT_SUFFIXES, decode_record, is_parquet, read_chunks, resolve_data_paths
+from scripts.shard_output import ShardDirectory, StreamWriter
 
-SHOW_BAD = 10  # how many bad line numbers to print with --skip_bad_lines
+SHOW_BAD = 10  # how many bad locations to keep for the summary with --skip_bad_lines
 
 
 # -----------------------------------------------------------------------------
-# worker side: validate + tokenize one chunk of lines
+# worker side: validate + tokenize one chunk of documents
 
 _worker = {}
 
 
-def init_worker(tokenizer_path, data_path, dtype):
+def init_worker(tokenizer_path, dtype, text_column):
     # The pool already keeps every core busy; tokenizers' own thread pool would oversubscribe.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     tokenizer = load_tokenizer(tokenizer_path)
-    _worker.update(tokenizer=tokenizer, data_path=str(data_path), dtype=DTYPES[dtype],
+    _worker.update(tokenizer=tokenizer, dtype=DTYPES[dtype], text_column=text_column,
                    bos=tokenizer.bos_token_id, eos=tokenizer.eos_token_id)
 
 
 def encode_chunk(task):
-    """task = (end_offset, [(line_number, raw_bytes), ...]) -> (end_offset, tokens, num_docs, bad)."""
-    end_offset, lines = task
+    """task = (file index, path, kind, records, bytes_done) ->
+    (file index, bytes_done, tokens, document lengths, [bad messages])."""
+    index, path, kind, records, done = task
     w = _worker
     texts, bad = [], []
-    for line_number, raw in lines:
+    for record in records:
         try:
-            texts.append(parse_line(raw, w["data_path"], line_number))
+            texts.append(decode_record(kind, path, record, w["text_column"]))
         except DataError as e:
-            bad.append((line_number, str(e)))
+            bad.append(str(e))
     ids = w["tokenizer"](texts, add_special_tokens=False).input_ids if texts else []
-    count = sum(len(x) for x in ids) + 2 * len(ids)
+    doc_lens = np.fromiter((len(x) + 2 for x in ids), dtype=np.int64, count=len(ids))
     docs = itertools.chain.from_iterable((w["bos"], *x, w["eos"]) for x in ids)
-    tokens = np.fromiter(docs, dtype=w["dtype"], count=count)
-    return end_offset, tokens, len(texts), bad
+    tokens = np.fromiter(docs, dtype=w["dtype"], count=int(doc_lens.sum()))
+    return index, done, tokens, doc_lens, bad
 
 
 # -----------------------------------------------------------------------------
 # main process: read chunks, collect results in order, write
 
-def read_chunks(data_path, chunk_lines):
-    """Yield (end_offset, lines) with up to chunk_lines non-blank lines each, streaming."""
-    lines, end = [], 0
-    for line_number, offset, raw in iter_raw_lines(data_path):
-        lines.append((line_number, raw))
-        end = offset + len(raw)
-        if len(lines) == chunk_lines:
-            yield end, lines
-            lines = []
-    if lines:
-        yield end, lines
+def all_tasks(inputs, chunk_lines, text_column):
+    for index, path in inputs:
+        for done, kind, records in read_chunks(path, chunk_lines, text_column):
+            yield index, str(path), kind, records, done
 
 
-def encode_all(data_path, chunk_lines, num_proc, init_args):
-    """Yield encode_chunk results in file order, from a pool of num_proc processes."""
-    chunks = read_chunks(data_path, chunk_lines)
+def encode_all(tasks, num_proc, init_args):
+    """Yield encode_chunk results in input order, from a pool of num_proc processes."""
     if num_proc <= 1:  # no pool: easier to debug and profile
         init_worker(*init_args)
-        yield from map(encode_chunk, chunks)
+        yield from map(encode_chunk, tasks)
         return
     # imap's feeder thread blocks once the pipe to the workers is full, so read-ahead stays
-    # bounded and results come back in file order.
+    # bounded and results come back in input order.
     with Pool(num_proc, initializer=init_worker, initargs=init_args) as pool:
-        yield from pool.imap(encode_chunk, chunks)
+        yield from pool.imap(encode_chunk, tasks)
+
+
+def check_input(path, text_column):
+    """Fail on an empty file or a missing Parquet column now, before any tokenizing."""
+    if is_parquet(path):
+        next(read_chunks(path, 1, text_column))
+    else:
+        next(iter_raw_lines(path))
 
 
 def prepare(data_path, out_path, tokenizer_path=None, num_proc=None, skip_bad_lines=False,
-            chunk_lines=1000):
-    """Tokenize data_path into out_path (+ sidecar). Returns a dict of counts and timings."""
+            chunk_lines=1000, text_column="text", shard_tokens=0, num_shards=1, shard_index=0):
+    """Tokenize data_path into out_path (a .bin, or a shard directory). Returns a dict of
+    counts and figures (also written into a shard directory's manifest)."""
     t0 = time.time()
-    data_path, out_path = Path(data_path), Path(out_path)
-    tokenizer_path = Path(tokenizer_path) if tokenizer_path else REPO_ROOT / "model"
-    num_proc = max(1, num_proc or os.cpu_count() or 1)
-    open_data_file(data_path).close()  # fail on a bad path before paying for tokenizer + pool
+    out_path = Path(out_path)
+    single = out_path.suffix == ".bin"
+    if not 0 <= shard_index < num_shards:
+        raise DataError(f"--shard_index {shard_index}: must be in 0..{num_shards - 1} for --num_shards {num_shards}")
+    if single and (num_shards > 1 or shard_tokens):
+        raise DataError(f"--out_path {out_path}: --num_shards and --shard_tokens write a directory of shards; "
+                        f"pass --out_path a directory, not a .bin file")
+    inputs = list(enumerate(resolve_data_paths(data_path, TEXT_SUFFIXES)))
+    mine = inputs if single else inputs[shard_index::num_shards]
+    for _, path in mine:
+        check_input(path, text_column)
 
+    tokenizer_path = Path(tokenizer_path) if tokenizer_path else REPO_ROOT / "model"
     tokenizer = load_tokenizer(tokenizer_path)
     if tokenizer.bos_token_id is None or tokenizer.eos_token_id is None:
         raise DataError(f"{tokenizer_path}: tokenizer has no BOS or EOS token; packing needs both")
-    vocab_size = len(tokenizer)
-    dtype = dtype_for_vocab(vocab_size)
+    common = {"dtype": dtype_for_vocab(len(tokenizer)), "vocab_size": len(tokenizer),
+              "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+              "tokenizer": str(tokenizer_path)}
 
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp_path = out_path.with_name(out_path.name + ".tmp")
+    if single:
+        out, todo = StreamWriter(out_path, common), mine
+    else:
+        out = ShardDirectory(out_path, inputs, common, shard_tokens, text_column)
+        todo = [(i, path) for i, path in mine if not out.is_complete(i)]
+    num_proc = max(1, num_proc or os.cpu_count() or 1)
     try:
-        with open(tmp_path, "wb") as out:
-            counts = write_stream(out, data_path, chunk_lines, num_proc, skip_bad_lines,
-                                  (tokenizer_path, data_path, dtype))
-        if counts["docs"] == 0:
-            raise DataError(f"{data_path}: all {counts['bad_lines']} non-blank lines are bad, nothing "
-                            f"to write; the first: {counts['first_bad_message']}")
-        meta = write_meta(tmp_path, vocab_size=vocab_size, num_tokens=counts["tokens"],
-                          num_docs=counts["docs"], bos_token_id=tokenizer.bos_token_id,
-                          eos_token_id=tokenizer.eos_token_id, tokenizer=tokenizer_path, dtype=dtype)
-        os.replace(tmp_path, out_path)
-        os.replace(meta_path(tmp_path), meta_path(out_path))
-    finally:
-        for leftover in (tmp_path, meta_path(tmp_path)):
-            leftover.unlink(missing_ok=True)
-
+        counts = write_all(out, todo, chunk_lines, num_proc, skip_bad_lines,
+                           (tokenizer_path, common["dtype"], text_column))
+        out.close()
+    except BaseException:
+        out.abort()  # a temp file, never a half-written output (a SIGKILL leaves it to the next run)
+        raise
     seconds = time.time() - t0
-    return dict(counts, out_path=str(out_path), meta=meta, seconds=seconds,
-                megabytes=out_path.stat().st_size / 1e6, tokens_per_s=counts["tokens"] / seconds)
+    figures = dict(counts, seconds=round(seconds, 3), tokens_per_s=round(counts["tokens"] / seconds),
+                   inputs=len(todo), inputs_skipped=len(mine) - len(todo), num_proc=num_proc,
+                   shard_index=shard_index, num_shards=num_shards, **peak_rss_mb())
+    if single:
+        return dict(figures, out_path=str(out_path), megabytes=out_path.stat().st_size / 1e6)
+    manifest = out.finish_run(figures)
+    return dict(figures, out_path=str(out_path), manifest=manifest)
 
 
-def write_stream(out, data_path, chunk_lines, num_proc, skip_bad_lines, init_args):
-    """Append every chunk's tokens to `out` as it arrives; return the counts."""
-    docs = tokens = 0
-    bad_lines, first_bad = 0, []
-    done = 0
-    bar = tqdm(total=data_path.stat().st_size, unit="B", unit_scale=True, desc="tokenizing")
+def peak_rss_mb():
+    """Peak resident memory of this process and of the largest pool worker, in MB."""
+    self_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    children_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return {"peak_rss_mb": round(self_kb / 1024, 1), "peak_worker_rss_mb": round(children_kb / 1024, 1)}
+
+
+def write_all(out, todo, chunk_lines, num_proc, skip_bad_lines, init_args):
+    """Append every chunk's tokens to its input's writer as it arrives; return the counts."""
+    docs = tokens = bad_lines = 0
+    first_bad = []
+    sizes = {i: path.stat().st_size for i, path in todo}
+    base = dict(zip(sizes, itertools.accumulate([0, *sizes.values()])))  # bytes before each input
+    current = None
+    bar = tqdm(total=sum(sizes.values()), unit="B", unit_scale=True, desc="tokenizing",
+               disable=None)  # no bar in logs, so an error stays one line there
     with bar:
-        for end_offset, chunk_tokens, chunk_docs, bad in encode_all(data_path, chunk_lines,
-                                                                    num_proc, init_args):
+        for index, done, chunk_tokens, doc_lens, bad in encode_all(all_tasks(todo, chunk_lines, init_args[2]),
+                                                                   num_proc, init_args):
             if bad and not skip_bad_lines:
-                raise DataError(bad[0][1])
+                raise DataError(bad[0])
             bad_lines += len(bad)
             first_bad += bad[:SHOW_BAD - len(first_bad)]
-            chunk_tokens.tofile(out)
-            docs += chunk_docs
+            if current != index:
+                if current is not None:
+                    out.finish_input(current)
+                out.start_input(index)
+                current = index
+            out.write(chunk_tokens, doc_lens)
+            docs += len(doc_lens)
             tokens += len(chunk_tokens)
-            bar.update(end_offset - done)
-            done = end_offset
-    return dict(docs=docs, tokens=tokens, bad_lines=bad_lines,
-                first_bad_lines=[n for n, _ in first_bad],
-                first_bad_message=first_bad[0][1] if first_bad else None)
+            bar.update(base[index] + done - bar.n)
+    if current is not None:
+        out.finish_input(current)
+    return dict(docs=docs, tokens=tokens, bad_lines=bad_lines, first_bad=first_bad)
 
 
 def main():
-    parser = argparse.ArgumentParser(description="Tokenize a JSONL corpus into a packed token stream")
-    parser.add_argument("--data_path", required=True, help='JSONL file, one {"text": ...} per line')
-    parser.add_argument("--out_path", required=True, help="output .bin (a .bin.json sidecar goes next to it)")
+    parser = argparse.ArgumentParser(description="Tokenize a corpus into a packed token stream or shards")
+    parser.add_argument("--data_path", required=True,
+                        help='a .jsonl or .parquet file, a directory of them, or a quoted glob like "data/*.jsonl"')
+    parser.add_argument("--out_path", required=True,
+                        help="a .bin file (one stream, + .bin.json), or a directory of shards + manifest.json")
     parser.add_argument("--tokenizer_path", default=str(REPO_ROOT / "model"))
+    parser.add_argument("--text_column", default="text", help="the Parquet column that holds the text")
+    parser.add_argument("--shard_tokens", type=int, default=0,
+                        help="start a new shard at the first document end after this many tokens (0: one per file)")
+    parser.add_argument("--num_shards", type=int, default=1, help="machines tokenizing into one shared --out_path")
+    parser.add_argument("--shard_index", type=int, default=0, help="which of them this is (0-based)")
     parser.add_argument("--num_proc", type=int, default=os.cpu_count())
     parser.add_argument("--skip_bad_lines", action="store_true",
-                        help="count and skip bad lines instead of stopping at the first")
-    parser.add_argument("--chunk_lines", type=int, default=1000, help="lines per task sent to a worker")
+                        help="count and skip bad lines (or Parquet rows) instead of stopping at the first")
+    parser.add_argument("--chunk_lines", type=int, default=1000, help="documents per task sent to a worker")
     args = parser.parse_args()
     try:
-        stats = prepare(args.data_path, args.out_path, args.tokenizer_path, args.num_proc,
-                        args.skip_bad_lines, args.chunk_lines)
+        stats = prepare(args.data_path, args.out_path, args.tokenizer_path, args.num_proc, args.skip_bad_lines,
+                        args.chunk_lines, args.text_column, args.shard_tokens, args.num_shards, args.shard_index)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    print(summary(stats))
+
+
+def summary(stats):
+    lines = []
     if stats["bad_lines"]:
-        shown = ", ".join(map(str, stats["first_bad_lines"]))
-        print(f"skipped {stats['bad_lines']} bad lines (first: {shown}); "
-              f"first problem: {stats['first_bad_message']}")
-    print(f"{stats['docs']:,} docs, {stats['tokens']:,} tokens, {stats['megabytes']:.1f} MB "
-          f"in {stats['seconds']:.1f} s ({stats['tokens_per_s']:,.0f} tokens/s) -> {stats['out_path']}")
+        lines.append(f"skipped {stats['bad_lines']} bad lines; the first: {stats['first_bad'][0]}")
+    if stats["inputs_skipped"]:
+        lines.append(f"{stats['inputs_skipped']} input files already complete from an earlier run, skipped")
+    lines.append(f"{stats['docs']:,} docs, {stats['tokens']:,} tokens from {stats['inputs']} files in "
+                 f"{stats['seconds']:.1f} s ({stats['tokens_per_s']:,.0f} tokens/s, {stats['num_proc']} "
+                 f"processes), {stats['bad_lines']} bad lines skipped; peak RSS {stats['peak_rss_mb']:.0f} MB main, "
+                 f"{stats['peak_worker_rss_mb']:.0f} MB largest worker -> {stats['out_path']}")
+    if "manifest" in stats:
+        m = stats["manifest"]
+        lines.append(f"manifest: {m['num_shards']} shards, {m['num_tokens']:,} tokens -> "
+                     f"{Path(stats['out_path']) / 'manifest.json'}" if m else
+                     f"machine {stats['shard_index']} of {stats['num_shards']} done; the last machine to "
+                     f"finish writes manifest.json")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

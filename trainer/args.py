@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     mdl.add_argument("--tokenizer_path", default=str(REPO_ROOT / "model"))
 
     data = p.add_argument_group("data")
-    data.add_argument("--data_path", default=str(DEMO_CORPUS), help=".jsonl (padded) or .bin (packed, see prepare_data.py)")
+    data.add_argument("--data_path", default=str(DEMO_CORPUS), help=".jsonl (padded) or .bin (packed, see prepare_data.py); or a directory, manifest.json or quoted glob of .bin shards or .jsonl files")
     data.add_argument("--num_workers", type=int, default=2)
     data.add_argument("--doc_mask", type=int, default=0, choices=[0, 1], help="packed data: attend within documents only")
     data.add_argument("--val_data_path", default=None, help="held-out .jsonl or .bin")

@@ -11,10 +11,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
+from torch.utils.data import ConcatDataset, DataLoader, Dataset, DistributedSampler, Subset
 
 from dataset.lm_dataset import PretrainDataset
 from dataset.packed_dataset import PackedPretrainDataset
+from dataset.shards import MANIFEST, PREP_DIR, ShardedPackedDataset
+from dataset.sources import resolve_data_paths
 from trainer.trainer_utils import UserError
 
 
@@ -54,12 +56,27 @@ class TrainData:
 
 
 def open_dataset(path: str, flag: str, tokenizer, max_seq_len: int, vocab_size: int):
-    suffix = Path(path).suffix
-    if suffix == ".bin":
-        return PackedPretrainDataset(path, max_seq_len, vocab_size=vocab_size, tokenizer=tokenizer)
-    if suffix in (".jsonl", ".json"):
-        return PretrainDataset(path, tokenizer, max_seq_len)
-    raise UserError(f"{flag} {path}: expected a .jsonl file or a .bin file made by scripts/prepare_data.py")
+    """One .jsonl or .bin file; or a manifest, directory or glob of .bin shards (one packed
+    stream) or of .jsonl files (their lines one after the other)."""
+    as_path = Path(path)
+    if as_path.is_file() and as_path.name != MANIFEST:
+        if as_path.suffix == ".bin":
+            return PackedPretrainDataset(path, max_seq_len, vocab_size=vocab_size, tokenizer=tokenizer)
+        if as_path.suffix in (".jsonl", ".json"):
+            return PretrainDataset(path, tokenizer, max_seq_len)
+        raise UserError(f"{flag} {path}: expected a .jsonl file, or .bin shards made by scripts/prepare_data.py")
+    if as_path.is_file() or (as_path / MANIFEST).is_file() or (as_path / PREP_DIR).is_dir():
+        return ShardedPackedDataset(path, max_seq_len, vocab_size=vocab_size, tokenizer=tokenizer)
+    files = resolve_data_paths(path, (".bin", ".jsonl", ".parquet"), flag)
+    kinds = {f.suffix for f in files}
+    if ".parquet" in kinds:
+        raise UserError(f"{flag} {path}: Parquet is read by scripts/prepare_data.py, not the trainer: run it with "
+                        f"--data_path '{path}' --out_path <dir>, then train with --data_path <dir>")
+    if kinds == {".bin"}:
+        return ShardedPackedDataset(path, max_seq_len, vocab_size=vocab_size, tokenizer=tokenizer)
+    if kinds == {".jsonl"}:
+        return ConcatDataset([PretrainDataset(f, tokenizer, max_seq_len) for f in files])
+    raise UserError(f"{flag} {path}: holds both .bin and .jsonl files; pass one kind")
 
 
 def build_data(args, tokenizer, vocab_size: int) -> TrainData:

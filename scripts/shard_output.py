@@ -1,0 +1,177 @@
+"""
+Where prepare_data.py writes: one .bin stream, or a directory of shards that several
+machines fill at once and that a killed run resumes.
+
+A shard directory (format: dataset/shards.py) is cut by input file: input file i (in
+the sorted input list) becomes the shards "{i:05d}-{stem}[-{part:04d}].bin", and machine
+I of N tokenizes the inputs i with i % N == I. No two machines ever write the same
+file, so they need no locks, only a shared directory:
+
+    .prep/plan.json          the inputs and settings; a run with other ones is refused
+    .prep/input-{i:05d}.json the shards of input i, written last, once they are complete
+    .prep/run-{I}-of-{N}.json the figures of machine I's last run
+    manifest.json            all shards in order, by whichever machine completes the set
+
+Shards are written under a temp name and renamed once the whole input is done, so a
+killed run leaves no file a reader takes for complete; the next run deletes what a
+killed one left of an input and redoes it, and skips every input with a record.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from dataset.lm_dataset import DataError
+from dataset.packed_dataset import DTYPES, meta_path, write_meta
+from dataset.shards import PREP_DIR, SHARED_KEYS, write_json_atomic, write_manifest
+
+
+class StreamWriter:
+    """Every input as one stream into out_path (+ sidecar), renamed into place when complete."""
+
+    def __init__(self, out_path, common):
+        self.out_path, self.common = Path(out_path), common
+        self.tmp = self.out_path.with_name(self.out_path.name + ".tmp")
+        self.file, self.num_tokens, self.num_docs = None, 0, 0
+
+    def start_input(self, index):
+        if self.file is None:
+            self.out_path.parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(self.tmp, "wb")
+
+    def write(self, tokens, doc_lens):
+        tokens.tofile(self.file)
+        self.num_tokens += len(tokens)
+        self.num_docs += len(doc_lens)
+
+    def finish_input(self, index):
+        pass
+
+    def close(self):
+        if self.file is None or self.num_docs == 0:
+            self.abort()
+            raise DataError(f"{self.out_path}: every non-blank line of the input is bad, nothing to write; "
+                            f"fix the input or pass other files")
+        self.file.close()
+        write_meta(self.tmp, num_tokens=self.num_tokens, num_docs=self.num_docs, **self.common)
+        os.replace(self.tmp, self.out_path)
+        os.replace(meta_path(self.tmp), meta_path(self.out_path))
+
+    def abort(self):
+        if self.file is not None:
+            self.file.close()
+        for leftover in (self.tmp, meta_path(self.tmp)):
+            leftover.unlink(missing_ok=True)
+
+
+class ShardDirectory:
+    """The shards of this machine's inputs in out_dir, and the manifest once all are there."""
+
+    def __init__(self, out_dir, inputs, common, shard_tokens, text_column):
+        self.dir, self.prep = Path(out_dir), Path(out_dir) / PREP_DIR
+        self.inputs = dict(inputs)  # index -> path, for ALL machines' inputs
+        self.common, self.shard_tokens = common, shard_tokens
+        self.itemsize = np.dtype(DTYPES[common["dtype"]]).itemsize
+        if self.dir.exists() and not self.dir.is_dir():
+            raise DataError(f"--out_path {self.dir}: is a file; pass a directory for shards, or a .bin path")
+        self.prep.mkdir(parents=True, exist_ok=True)
+        self._check_plan({"inputs": [[p.name, p.stat().st_size] for _, p in inputs],
+                          **{k: common[k] for k in SHARED_KEYS},
+                          "shard_tokens": shard_tokens, "text_column": text_column})
+        self.file, self.parts = None, []
+
+    def _check_plan(self, plan):
+        path = self.prep / "plan.json"
+        if path.is_file():
+            old = json.loads(path.read_text())
+            differing = [k for k in plan if old.get(k) != plan[k]]
+            if differing:
+                raise DataError(f"--out_path {self.dir}: holds shards made with other {differing[0]} "
+                                f"({'input files' if differing[0] == 'inputs' else old.get(differing[0])}); "
+                                f"pass a new --out_path, or delete this one to start over")
+        else:  # machines starting at once write the same content: whichever rename wins is right
+            write_json_atomic(path, plan)
+
+    def _record(self, index):
+        return self.prep / f"input-{index:05d}.json"
+
+    def is_complete(self, index):
+        try:
+            shards = json.loads(self._record(index).read_text())["shards"]
+        except (OSError, ValueError, KeyError):
+            return False
+        return all((self.dir / s["path"]).is_file() and meta_path(self.dir / s["path"]).is_file()
+                   and (self.dir / s["path"]).stat().st_size == s["num_tokens"] * self.itemsize
+                   for s in shards)
+
+    # ------------------------------------------------------------------ one input file
+    def start_input(self, index):
+        # Whatever a killed run left of this input goes: only this machine writes it.
+        self._record(index).unlink(missing_ok=True)
+        for stale in self.dir.glob(f"{index:05d}-*"):
+            stale.unlink()
+        self.index, self.parts, self.file = index, [], None
+
+    def write(self, tokens, doc_lens):
+        while len(doc_lens):
+            if self.file is None:
+                self._open_part()
+            part, take_docs = self.parts[-1], len(doc_lens)
+            if self.shard_tokens:  # up to the first document end at or past shard_tokens
+                ends = np.cumsum(doc_lens)
+                take_docs = min(take_docs, int(np.searchsorted(ends, self.shard_tokens - part["num_tokens"])) + 1)
+            take = int(doc_lens[:take_docs].sum())
+            tokens[:take].tofile(self.file)
+            part["num_tokens"] += take
+            part["num_docs"] += take_docs
+            tokens, doc_lens = tokens[take:], doc_lens[take_docs:]
+            if self.shard_tokens and part["num_tokens"] >= self.shard_tokens:
+                self.file.close()
+                self.file = None
+
+    def _open_part(self):
+        stem = f"{self.index:05d}-{self.inputs[self.index].stem}"
+        name = f"{stem}-{len(self.parts):04d}.bin" if self.shard_tokens else f"{stem}.bin"
+        self.parts.append({"path": name, "num_tokens": 0, "num_docs": 0})
+        self.file = open(self.dir / f"{name}.tmp", "wb")
+
+    def finish_input(self, index):
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+        if not self.parts:
+            raise DataError(f"{self.inputs[index]}: every non-blank line is bad, nothing to write; fix the "
+                            f"file or leave it out of --data_path")
+        for part in self.parts:
+            final = self.dir / part["path"]
+            tmp = final.with_name(final.name + ".tmp")
+            write_meta(tmp, num_tokens=part["num_tokens"], num_docs=part["num_docs"], **self.common)
+            os.replace(meta_path(tmp), meta_path(final))
+            os.replace(tmp, final)
+        write_json_atomic(self._record(index), {"source": self.inputs[index].name, "shards": self.parts})
+
+    def abort(self):
+        if self.file is not None:
+            self.file.close()
+        if self.parts:
+            for part in self.parts:
+                for leftover in (self.dir / f"{part['path']}.tmp", self.dir / f"{part['path']}.tmp.json"):
+                    leftover.unlink(missing_ok=True)
+
+    def close(self):
+        pass
+
+    # ------------------------------------------------------------------ the whole directory
+    def finish_run(self, figures):
+        """Record this machine's figures; write the manifest if every input is now complete.
+        Returns the manifest, or None while other machines are still at work."""
+        if figures["inputs"]:  # a rerun that found everything done keeps the real run's figures
+            write_json_atomic(self.prep / f"run-{figures['shard_index']}-of-{figures['num_shards']}.json", figures)
+        if not all(self.is_complete(i) for i in self.inputs):
+            return None
+        shards = [s for i in sorted(self.inputs) for s in json.loads(self._record(i).read_text())["shards"]]
+        runs = sorted((json.loads(p.read_text()) for p in self.prep.glob("run-*-of-*.json")),
+                      key=lambda r: (r["num_shards"], r["shard_index"]))
+        return write_manifest(self.dir, self.common, shards, runs)
