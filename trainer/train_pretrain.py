@@ -238,7 +238,7 @@ def train(args, env) -> int:
                 log.log_train(global_step, epoch, epochs, loss, aux, lrs, tokens_seen, tok_s, real_tok_s, mfu)
             if val_loader is not None and (last or (args.eval_interval and global_step % args.eval_interval == 0)):
                 with log.untimed():
-                    val_loss, val_bpb = evaluate(net, val_loader, autocast, env.device, data.labels_are_shifted,
+                    val_loss, val_bpb = evaluate(net, val_loader, autocast, env.device, data.val_labels_are_shifted,
                                                  byte_lengths)
                 log.log_val(global_step, tokens_seen, val_loss, val_bpb)
             if global_step % args.save_interval == 0 or last or stop:
