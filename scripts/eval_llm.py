@@ -19,6 +19,7 @@ sys.path.insert(0, str(REPO_ROOT))
 import torch
 
 from dataset.lm_dataset import DataError, frame_document, iter_jsonl_texts, load_tokenizer
+from dataset.token_bytes import bits_per_byte, target_bytes, token_byte_lengths
 from model.weights import SHAPE_FLAGS, WeightsError, default_weight_path, flag_default, load_model
 from trainer.cli import OneLineArgumentParser
 from trainer.preflight import check_device
@@ -78,15 +79,17 @@ def generate_text(model, tokenizer, prompt, args, out=None):
 
 @torch.no_grad()
 def perplexity(model, tokenizer, path, max_docs=None, max_seq_len=512, batch_size=8):
-    """(docs, tokens, mean loss) over the next-token targets of each document.
+    """(docs, tokens, mean loss, bits per byte) over the next-token targets of each document.
 
     A document is laid out as in training (dataset/lm_dataset.py): BOS + text + EOS,
     truncated to max_seq_len with the EOS kept; the targets are every real token
-    after BOS. Right padding needs no attention mask under a causal model.
+    after BOS (EOS included, as in the trainer's validation; dataset/token_bytes.py).
+    Right padding needs no attention mask under a causal model.
     """
     device = next(model.parameters()).device
     bos, eos, pad = tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
-    docs = tokens = 0
+    byte_lengths = token_byte_lengths(tokenizer, model.config.vocab_size)
+    docs = tokens = n_bytes = 0
     total_loss = 0.0
     batch = []
     for _, text in iter_jsonl_texts(path):
@@ -95,14 +98,16 @@ def perplexity(model, tokenizer, path, max_docs=None, max_seq_len=512, batch_siz
         ids = tokenizer(text, add_special_tokens=False).input_ids
         batch.append(frame_document(ids, bos, eos, max_seq_len))
         if len(batch) == batch_size:
-            docs, tokens, total_loss = _add_batch(model, batch, pad, device, docs, tokens, total_loss)
+            docs, tokens, total_loss, n_bytes = _add_batch(model, batch, pad, device, byte_lengths,
+                                                           docs, tokens, total_loss, n_bytes)
             batch = []
     if batch:
-        docs, tokens, total_loss = _add_batch(model, batch, pad, device, docs, tokens, total_loss)
-    return docs, tokens, total_loss / max(tokens, 1)
+        docs, tokens, total_loss, n_bytes = _add_batch(model, batch, pad, device, byte_lengths,
+                                                       docs, tokens, total_loss, n_bytes)
+    return docs, tokens, total_loss / max(tokens, 1), bits_per_byte(total_loss, n_bytes)
 
 
-def _add_batch(model, batch, pad, device, docs, tokens, total_loss):
+def _add_batch(model, batch, pad, device, byte_lengths, docs, tokens, total_loss, n_bytes):
     width = max(len(ids) for ids in batch)
     input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
     targets = torch.full((len(batch), width), -100, dtype=torch.long)
@@ -112,7 +117,8 @@ def _add_batch(model, batch, pad, device, docs, tokens, total_loss):
     # shift_labels are already aligned with the logits; num_items_in_batch=1 turns the
     # model's mean into a sum, so batches of any size add up exactly.
     out = model(input_ids.to(device), shift_labels=targets.to(device), num_items_in_batch=1)
-    return docs + len(batch), tokens + int((targets != -100).sum()), total_loss + out.loss.item()
+    return (docs + len(batch), tokens + int((targets != -100).sum()), total_loss + out.loss.item(),
+            n_bytes + int(target_bytes(targets, byte_lengths)))
 
 
 def interactive(model, tokenizer, args):
@@ -204,8 +210,9 @@ def main(argv=None):
         model.to(args.device)
         torch.manual_seed(args.seed)
         if args.ppl_data:
-            docs, tokens, loss = perplexity(model, tokenizer, args.ppl_data, args.ppl_max_docs, args.max_seq_len)
-            print(f"ppl_data={args.ppl_data} docs={docs} tokens={tokens} loss={loss:.6f} ppl={math.exp(loss):.6f}")
+            docs, tokens, loss, bpb = perplexity(model, tokenizer, args.ppl_data, args.ppl_max_docs, args.max_seq_len)
+            print(f"ppl_data={args.ppl_data} docs={docs} tokens={tokens} loss={loss:.6f} ppl={math.exp(loss):.6f} "
+                  f"bits_per_byte={bpb:.6f}")
     except (WeightsError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

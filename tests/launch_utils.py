@@ -16,9 +16,12 @@ TORCHRUN = [str(_TORCHRUN_BIN)] if _TORCHRUN_BIN.exists() else [PYTHON, "-m", "t
 
 # hidden 64, 2 layers, seq 64: a step takes milliseconds, so process start-up dominates.
 # CPU and gloo everywhere, also on a GPU machine (where rank 1 would pick cuda:1).
+# AdamW, not the default Muon: these tests compare runs across world sizes and DDP/FSDP
+# to float noise, and Muon's bf16 Newton-Schulz turns that noise into ~1% of an update
+# (tests/test_optim.py tests Muon against its own tolerance).
 TINY = ["--hidden_size", "64", "--num_hidden_layers", "2", "--max_seq_len", "64", "--batch_size", "4",
         "--num_workers", "0", "--learning_rate", "2e-3", "--log_interval", "1", "--val_fraction", "0",
-        "--dist_timeout", "60", "--device", "cpu"]
+        "--dist_timeout", "60", "--device", "cpu", "--optimizer", "adamw"]
 
 
 def free_port() -> int:

@@ -4,9 +4,8 @@ import argparse
 import math
 from pathlib import Path
 
-import torch
-
 from trainer.cli import OneLineArgumentParser
+from trainer.optim import check_optim_args
 from trainer.trainer_utils import UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -32,8 +31,14 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--accumulation_steps", type=int, default=1, help="micro-batches per optimizer step")
     opt.add_argument("--global_batch_size", type=int, default=0,
                      help="samples per optimizer step over all processes; derives --accumulation_steps (0: off)")
-    opt.add_argument("--learning_rate", type=float, default=5e-4)
-    opt.add_argument("--warmup_steps", type=int, default=0)
+    opt.add_argument("--learning_rate", type=float, default=3e-3, help="AdamW peak lr (MiniMind: 5e-4)")
+    opt.add_argument("--warmup_steps", type=int, default=10, help="linear warmup, then cosine to 10%% (MiniMind: 0)")
+    opt.add_argument("--optimizer", default="muon", choices=["adamw", "muon"],
+                     help="muon: torch.optim.Muon on the blocks' 2-D weights, AdamW on the rest")
+    opt.add_argument("--muon_lr", type=float, default=0.02, help="Muon's peak lr (its own schedule follows the same shape)")
+    opt.add_argument("--muon_momentum", type=float, default=0.95)
+    opt.add_argument("--param_groups", default="split", choices=["split", "single"],
+                     help="split: no weight decay on norms and other 1-D params; single: MiniMind's one AdamW group")
     opt.add_argument("--grad_clip", type=float, default=1.0)
     opt.add_argument("--weight_decay", type=float, default=0.01)
     opt.add_argument("--seed", type=int, default=42)
@@ -60,8 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sys_ = p.add_argument_group("system")
     sys_.add_argument("--device", default=None, help="default: cuda:LOCAL_RANK when CUDA is present, else cpu")
-    sys_.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                      help="autocast dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    sys_.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                      help="autocast dtype; auto: bf16 on CUDA (fp16 on GPUs without bf16), bf16 on CPUs "
+                           "with amx_bf16/avx512_bf16, else float32")
     sys_.add_argument("--use_compile", type=int, default=0, choices=[0, 1])
     sys_.add_argument("--parallel", default="ddp", choices=["ddp", "fsdp"])
     sys_.add_argument("--grad_checkpointing", type=int, default=0, choices=[0, 1])
@@ -118,11 +124,7 @@ def check_args(args, cuda_available: bool):
     if args.parallel == "fsdp" and args.dtype == "float16":
         raise UserError("--parallel fsdp trains in bfloat16 or float32 (no sharded GradScaler here); "
                         "pass --dtype bfloat16")
+    check_optim_args(args)
     if args.parallel == "fsdp" and args.use_compile:
         raise UserError("--use_compile 1 is not supported with --parallel fsdp yet; drop one of them")
 
-
-def resolve_dtype(args, device: str) -> torch.dtype:
-    name = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    args.dtype = name
-    return getattr(torch, name)

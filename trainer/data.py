@@ -53,6 +53,11 @@ class TrainData:
     train: Dataset
     val: Dataset | None
     labels_are_shifted: bool  # packed windows come with next-token targets already
+    val_labels_are_shifted: bool | None = None  # may differ: padded training, packed validation
+
+    def __post_init__(self):
+        if self.val_labels_are_shifted is None:
+            self.val_labels_are_shifted = self.labels_are_shifted
 
 
 def open_dataset(path: str, flag: str, tokenizer, max_seq_len: int, vocab_size: int):
@@ -84,9 +89,9 @@ def build_data(args, tokenizer, vocab_size: int) -> TrainData:
     shifted = bool(getattr(full, "labels_are_shifted", False))
     if args.val_data_path:
         val = open_dataset(args.val_data_path, "--val_data_path", tokenizer, args.max_seq_len, vocab_size)
-        if bool(getattr(val, "labels_are_shifted", False)) != shifted:
-            raise UserError("--val_data_path must be the same kind (.jsonl or .bin) as --data_path")
-        return TrainData(full, val, shifted)
+        # Either kind validates either kind of run: runs on padded and on packed data can
+        # then be compared on one validation set (scripts/bench_quality.py does).
+        return TrainData(full, val, shifted, bool(getattr(val, "labels_are_shifted", False)))
     n_val = int(len(full) * args.val_fraction)
     if n_val == 0:
         return TrainData(full, None, shifted)

@@ -131,6 +131,7 @@ class RunLogger:
         self.total_steps = total_steps
         self.start_step = start_step
         self.start_time = time.time()
+        self.untimed_s = 0.0
         self.wandb = None
         self.wandb_run_id = wandb_run_id
         if not enabled:
@@ -185,24 +186,41 @@ class RunLogger:
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=row["step"])
 
-    def log_train(self, step, epoch, epochs, loss, aux, lr, tokens_seen, tok_s, real_tok_s, mfu=None):
+    def log_train(self, step, epoch, epochs, loss, aux, lrs: dict, tokens_seen, tok_s, real_tok_s, mfu=None):
+        """`lrs`: {param group name: lr}; "lr" in the row is the first group's, "lr_<name>" each group's."""
         if not self.enabled:
             return
         memory = peak_memory_mib(self.device)
         row = {"kind": "train", "step": step, "epoch": epoch, "tokens_seen": tokens_seen, "loss": loss,
-               "aux_loss": aux, "lr": lr, "tokens_per_s": tok_s, "nonpad_tokens_per_s": real_tok_s,
-               "peak_mem_mib": memory}
+               "aux_loss": aux, "lr": next(iter(lrs.values())), **{f"lr_{k}": v for k, v in lrs.items()},
+               "tokens_per_s": tok_s, "nonpad_tokens_per_s": real_tok_s, "peak_mem_mib": memory}
+        lr_text = " ".join(f"{k}={v:.2e}" for k, v in lrs.items())
         mfu_text = ""
         if mfu is not None:
             row["mfu"] = mfu
             mfu_text = f" mfu {mfu:.1%}"
         self.log(row, f"epoch {epoch + 1}/{epochs} step {step}/{self.total_steps} loss {loss:.4f} aux {aux:.4f} "
-                      f"lr {lr:.2e} tok/s {tok_s:,.0f} (non-pad {real_tok_s:,.0f}){mfu_text} "
+                      f"lr {lr_text} tok/s {tok_s:,.0f} (non-pad {real_tok_s:,.0f}){mfu_text} "
                       f"mem {memory:,.0f}MiB eta {self.eta(step)}")
 
-    def log_val(self, step, tokens_seen, val_loss):
-        self.log({"kind": "val", "step": step, "tokens_seen": tokens_seen, "val_loss": val_loss},
-                 f"step {step}: val_loss {val_loss:.4f} (ppl {math.exp(min(val_loss, 50)):.2f})")
+    def log_val(self, step, tokens_seen, val_loss, val_bpb):
+        self.log({"kind": "val", "step": step, "tokens_seen": tokens_seen, "val_loss": val_loss, "val_bpb": val_bpb,
+                  "train_s": self.train_seconds()},
+                 f"step {step}: val_loss {val_loss:.4f} (ppl {math.exp(min(val_loss, 50)):.2f}) "
+                 f"bits/byte {val_bpb:.4f}")
+
+    @contextmanager
+    def untimed(self):
+        """Time spent inside (validation) does not count as training time."""
+        start = time.time()
+        try:
+            yield
+        finally:
+            self.untimed_s += time.time() - start
+
+    def train_seconds(self) -> float:
+        """Wall time since the loop started, less validation: the x axis of time-to-loss plots."""
+        return time.time() - self.start_time - self.untimed_s
 
     def eta(self, step: int) -> str:
         done = step - self.start_step

@@ -7,6 +7,7 @@
 
 Read it top to bottom: main() sets up (sections 1-5), then trains (section 6).
 """
+import argparse
 import math
 import os
 import sys
@@ -20,8 +21,9 @@ import torch  # noqa: E402
 
 from dataset.lm_dataset import DataError, load_tokenizer  # noqa: E402
 from dataset.packed_dataset import document_causal_mask  # noqa: E402
+from dataset.token_bytes import bits_per_byte, target_bytes, token_byte_lengths  # noqa: E402
 from model.model_minimind import count_parameters  # noqa: E402
-from trainer.args import DEMO_CORPUS, check_args, parse_args, resolve_dtype  # noqa: E402
+from trainer.args import DEMO_CORPUS, check_args, parse_args  # noqa: E402
 from trainer.checkpoint import (  # noqa: E402
     atomic_torch_save, load_latest_checkpoint, restore_model_and_optimizer, restore_rng_state, run_prefix,
     save_checkpoint,
@@ -30,13 +32,14 @@ from trainer.data import (  # noqa: E402
     ResumableDistributedSampler, build_data, make_train_loader, make_val_loader, plan_steps, resume_step, to_targets,
 )
 from trainer.metrics import RunLogger, Throughput, device_peak_flops, flops_per_token  # noqa: E402
+from trainer.optim import OptimConfig, build_optimizer, describe, detect_dtype, peak_lrs, set_lr  # noqa: E402
 from trainer.parallel import (  # noqa: E402
     as_local_scalar, full_state_dict, gradient_sync, local_state_mib, weights_finite, wrap_model,
 )
 from trainer.preflight import check_device, check_output_dirs  # noqa: E402
 from trainer.resilience import PreemptionFlag, inject_crash, inject_nan  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
-    Logger, UserError, all_reduce_sum, barrier, cleanup_distributed, fail, get_lr, init_distributed_mode,
+    Logger, UserError, all_reduce_sum, barrier, cleanup_distributed, fail, init_distributed_mode,
     init_model, is_main_process, model_config_from_args, setup_seed,
 )
 
@@ -63,18 +66,21 @@ def save_weights(model, args, prefix):
 
 
 @torch.no_grad()
-def evaluate(net, val_loader, ctx, device, shifted) -> float:
-    """Mean token loss over the fixed validation slice, summed over all ranks."""
+def evaluate(net, val_loader, ctx, device, shifted, byte_lengths) -> tuple[float, float]:
+    """(mean token loss, bits per byte) over the fixed validation slice, summed over all
+    ranks; dataset/token_bytes.py says which targets and bytes count."""
     net.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
     for x, y in val_loader:
         x, targets = x.to(device), to_targets(y, shifted).to(device)
         with ctx:
             out = net(x, shift_labels=targets, num_items_in_batch=1)  # a sum, not a mean
-        totals += torch.stack([out.loss.double(), (targets != -100).sum().double()])
+        totals += torch.stack([out.loss.double(), (targets != -100).sum().double(),
+                               target_bytes(targets, byte_lengths).double()])
     net.train()
     all_reduce_sum(totals)
-    return (totals[0] / totals[1].clamp(min=1)).item()
+    nll, tokens, n_bytes = totals.tolist()
+    return nll / max(tokens, 1), bits_per_byte(nll, n_bytes)
 
 
 def main(argv=None):
@@ -130,7 +136,10 @@ def resume(args, prefix, config, model, optimizer, scaler, plan, env):
 
 def train(args, env) -> int:
     # ------------------------------------------------------------------ 1. settings
-    dtype = resolve_dtype(args, env.device)
+    dtype_name, why = detect_dtype(args.dtype, env.device, sharded=args.parallel == "fsdp" and env.distributed)
+    Logger(f"dtype: {dtype_name} ({why})")
+    args = argparse.Namespace(**{**vars(args), "dtype": dtype_name})  # the resolved name from here on
+    dtype = getattr(torch, dtype_name)
     device_type = "cuda" if env.device.startswith("cuda") else "cpu"
     autocast = nullcontext() if dtype == torch.float32 else torch.autocast(device_type, dtype=dtype)
     world_size, rank = env.world_size, env.rank
@@ -154,8 +163,9 @@ def train(args, env) -> int:
     setup_seed(args.seed + rank)
     active_params = count_parameters(model)[1]
     net = wrap_model(model, args, env)  # FSDP shards `model` in place, so the optimizer comes after
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=(0.9, 0.95),
-                                  weight_decay=args.weight_decay, fused=True)
+    optim_config = OptimConfig.from_args(args)
+    optimizer, peaks = build_optimizer(model, optim_config), peak_lrs(optim_config)
+    Logger(describe(optimizer, peaks))
     scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
 
     # ------------------------------------------------------------------ 4. resume
@@ -175,6 +185,7 @@ def train(args, env) -> int:
     sampler = ResumableDistributedSampler(data.train, world_size, rank, seed=args.seed)
     loader = make_train_loader(data.train, sampler, args, pin)
     val_loader = make_val_loader(data.val, args, rank, world_size, pin) if data.val is not None else None
+    byte_lengths = token_byte_lengths(tokenizer, config.vocab_size).to(env.device)
     log = RunLogger(args, prefix, is_main_process(), start_step, total_steps, wandb_id, env.device)
     preempt = PreemptionFlag()
     preempt.install()
@@ -209,9 +220,7 @@ def train(args, env) -> int:
         batches = iter(loader)
         for _ in range(step_in_epoch, min(plan.steps_per_epoch, step_in_epoch + total_steps - global_step)):
             inject_crash(global_step, rank)
-            lr = get_lr(global_step, total_steps, args.learning_rate, args.warmup_steps)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            lrs = set_lr(optimizer, peaks, global_step, total_steps, args.warmup_steps)
             micro_batches = [next(batches) for _ in range(plan.accumulation_steps)]
             result = optimizer_step(
                 net, optimizer, scaler, micro_batches, args, env, data.labels_are_shifted, autocast,
@@ -246,11 +255,13 @@ def train(args, env) -> int:
                 loss, aux = totals.take_window()
                 tok_s, real_tok_s = throughput.report()
                 mfu = flops_token * tok_s / world_size / peak if peak else None
-                log.log_train(global_step, epoch, epochs, loss, aux, lr, tokens_seen, tok_s, real_tok_s, mfu)
+                log.log_train(global_step, epoch, epochs, loss, aux, lrs, tokens_seen, tok_s, real_tok_s, mfu)
             with throughput.paused(eval_now or save_now):  # tokens/s and MFU count training time only
                 if eval_now:
-                    log.log_val(global_step, tokens_seen, evaluate(net, val_loader, autocast, env.device,
-                                                                   data.labels_are_shifted))
+                    with log.untimed():
+                        val_loss, val_bpb = evaluate(net, val_loader, autocast, env.device,
+                                                     data.val_labels_are_shifted, byte_lengths)
+                    log.log_val(global_step, tokens_seen, val_loss, val_bpb)
                 if save_now:
                     checkpoint(global_step)
             if stop:

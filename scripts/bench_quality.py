@@ -1,0 +1,173 @@
+"""Time to quality: how soon does each recipe reach MiniMind's validation loss?
+
+    python scripts/bench_quality.py                      # MiniMind's shapes: hidden 256, 4 layers, seq 340, batch 8
+    python scripts/bench_quality.py --steps 40 --eval_every 10 --hidden_size 64 --num_hidden_layers 2   # a smoke run
+
+Trains on the demo corpus with the quick start's held-out split (every 25th document,
+scripts/split_corpus.py), one variant after another, one process with --threads
+threads each, and validates every --eval_every steps on the same packed val.bin for
+every variant (the trainer validates padded runs on packed data too), so the curves
+share one yardstick. The clock is the trainer's training time (validation excluded).
+
+    a_minimind   MiniMind's recipe: padded JSONL, fp32, lr 5e-4, no warmup, AdamW on everything
+    b_defaults   this repo's defaults on packed .bin (no optimizer/dtype flags at all)
+    c_adamw      packed .bin, AdamW with split groups, lr 3e-3, 10 warmup steps: what Muon adds
+    d_bf16       b_defaults under bf16 autocast: does bf16 cost quality at equal steps?
+
+Reports, for each variant, the training time at which it first validates at or below
+(a)'s final val loss and the ratio to (a)'s time, and its bits per byte at (a)'s
+time; writes the table, the raw rows (JSON) and a plot (val loss against seconds).
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from trainer.cli import OneLineArgumentParser  # noqa: E402
+
+VARIANTS = {
+    "a_minimind": ("jsonl", ["--dtype", "float32", "--learning_rate", "5e-4", "--warmup_steps", "0",
+                             "--optimizer", "adamw", "--param_groups", "single"]),
+    "b_defaults": ("bin", []),
+    "c_adamw": ("bin", ["--optimizer", "adamw", "--learning_rate", "3e-3", "--warmup_steps", "10"]),
+    "d_bf16": ("bin", ["--dtype", "bfloat16"]),
+}
+
+
+def parse_args(argv=None):
+    p = OneLineArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {','.join(VARIANTS)}")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps per variant (the same for all)")
+    p.add_argument("--eval_every", type=int, default=25)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--hidden_size", type=int, default=256)
+    p.add_argument("--num_hidden_layers", type=int, default=4)
+    p.add_argument("--max_seq_len", type=int, default=340)
+    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--corpus", default=str(REPO_ROOT / "dataset" / "demo_pretrain.jsonl"))
+    p.add_argument("--out_dir", default=str(REPO_ROOT / "out" / "bench_quality"))
+    p.add_argument("--plot", default=None, help="PNG path (default: OUT_DIR/val_loss_vs_time.png)")
+    args = p.parse_args(argv)
+    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    if unknown:
+        p.error(f"--variants: unknown {sorted(unknown)}; choose from {','.join(VARIANTS)}")
+    if "a_minimind" not in args.variants.split(","):
+        p.error("--variants must include a_minimind: it is the reference")
+    return args
+
+
+def prepare_data(corpus: Path, data: Path) -> Path:
+    """The quick start's split and packing, made once."""
+    if (data / "val.bin").exists():
+        return data
+    data.mkdir(parents=True, exist_ok=True)
+    py = sys.executable
+    run = dict(check=True, cwd=REPO_ROOT, env=dict(os.environ, TQDM_DISABLE="1"))
+    subprocess.run([py, "scripts/split_corpus.py", "--data_path", str(corpus), "--every", "25",
+                    "--train_out", str(data / "train.jsonl"), "--val_out", str(data / "val.jsonl")], **run)
+    for side in ("train", "val"):
+        subprocess.run([py, "scripts/prepare_data.py", "--data_path", str(data / f"{side}.jsonl"),
+                        "--out_path", str(data / f"{side}.bin"), "--num_proc", "1"], **run)
+    return data
+
+
+def train(name, args, data: Path, out: Path) -> list[dict]:
+    kind, flags = VARIANTS[name]
+    run_dir = out / name
+    cmd = [sys.executable, "trainer/train_pretrain.py", "--data_path", str(data / f"train.{kind}"),
+           "--val_data_path", str(data / "val.bin"), "--hidden_size", str(args.hidden_size),
+           "--num_hidden_layers", str(args.num_hidden_layers), "--max_seq_len", str(args.max_seq_len),
+           "--batch_size", str(args.batch_size), "--max_steps", str(args.steps), "--eval_interval",
+           str(args.eval_every), "--eval_batches", "1000", "--log_interval", str(args.eval_every),
+           "--save_interval", str(args.steps), "--num_workers", "0", "--save_dir", str(run_dir),
+           "--checkpoint_dir", str(run_dir / "ckpt"), "--save_weight", "bench", *flags]
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TQDM_DISABLE="1")
+    print(f"[{name}] {' '.join(cmd[1:])}", flush=True)
+    started = time.time()
+    with open(out / f"{name}.log", "w") as log:
+        result = subprocess.run(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    if result.returncode != 0:
+        sys.exit(f"error: variant {name} failed (rc {result.returncode}); see {out / f'{name}.log'}")
+    with open(run_dir / f"bench_{args.hidden_size}_metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    val = [r for r in rows if r["kind"] == "val"]
+    print(f"[{name}] {len(val)} val points, final val_loss {val[-1]['val_loss']:.4f}, "
+          f"{val[-1]['train_s']:.0f} s training ({time.time() - started:.0f} s with start-up and validation)",
+          flush=True)
+    return val
+
+
+def time_to_loss(val: list[dict], target: float) -> float | None:
+    """Training seconds at the first validation at or below `target`."""
+    return next((r["train_s"] for r in val if r["val_loss"] <= target), None)
+
+
+def at_time(val: list[dict], seconds: float, key: str) -> float:
+    """`key` linearly interpolated at `seconds` (the last value past the end of the run)."""
+    points = [(0.0, None)] + [(r["train_s"], r[key]) for r in val]
+    for (t0, v0), (t1, v1) in zip(points, points[1:]):
+        if seconds <= t1:
+            return v1 if v0 is None else v0 + (v1 - v0) * (seconds - t0) / (t1 - t0)
+    return points[-1][1]
+
+
+def report(curves: dict, args) -> list[str]:
+    ref = curves["a_minimind"]
+    target, t_ref = ref[-1]["val_loss"], ref[-1]["train_s"]
+    bpb_ref = ref[-1]["val_bpb"]
+    lines = [f"bench_quality: hidden {args.hidden_size} x {args.num_hidden_layers} layers, seq {args.max_seq_len}, "
+             f"batch {args.batch_size}, {args.steps} steps per variant, {args.threads} threads, val every "
+             f"{args.eval_every} steps on the held-out val.bin; (a)'s final val loss {target:.4f} at {t_ref:.0f} s", "",
+             "| variant | final val loss | final bits/byte | time to (a)'s final loss | vs (a) | bits/byte at (a)'s time | vs (a) |",
+             "|---|---|---|---|---|---|---|"]
+    for name, val in curves.items():
+        t = time_to_loss(val, target)
+        bpb = at_time(val, t_ref, "val_bpb")
+        reach = f"{t:.0f} s" if t is not None else "not reached"
+        ratio = f"1/{t_ref / t:.1f}" if t else "-"
+        lines.append(f"| {name} | {val[-1]['val_loss']:.4f} | {val[-1]['val_bpb']:.4f} | {reach} | {ratio} | "
+                     f"{bpb:.4f} | {(bpb / bpb_ref - 1) * 100:+.1f}% |")
+    return lines
+
+
+def plot(curves: dict, path: Path, title: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name, val in curves.items():
+        ax.plot([r["train_s"] for r in val], [r["val_loss"] for r in val], marker="o", ms=3, label=name)
+    ref = curves["a_minimind"][-1]["val_loss"]
+    ax.axhline(ref, color="gray", lw=0.8, ls="--", label="(a)'s final val loss")
+    ax.set(xlabel="training seconds (validation excluded)", ylabel="validation loss (held-out val.bin)", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    data = prepare_data(Path(args.corpus), out / "data")
+    curves = {name: train(name, args, data, out) for name in args.variants.split(",")}
+    lines = report(curves, args)
+    print("\n".join(lines))
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    (out / "results.json").write_text(json.dumps(curves, indent=1))
+    png = Path(args.plot) if args.plot else out / "val_loss_vs_time.png"
+    plot(curves, png, f"demo corpus, hidden {args.hidden_size} x {args.num_hidden_layers}, {args.threads} CPU threads")
+    print(f"plot: {png}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""The optimizer side of training: the autocast dtype, parameter groups, AdamW or
+Muon + AdamW, and the per-group learning-rate schedule.
+
+Groups (each carries a "name"; its peak lr comes from peak_lrs):
+    decay      2-D AdamW weights (embedding = tied output head; with AdamW alone, every matrix)
+    no_decay   norms and other 1-D parameters: AdamW without weight decay (nanoGPT's rule);
+               decaying a norm's gain towards 0 only fights the weights that follow it
+    muon       with --optimizer muon, the 2-D matrices inside the transformer blocks
+    all        --param_groups single: MiniMind's recipe, AdamW on everything with one decay
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+
+from trainer.trainer_utils import UserError
+
+# Either flag means the CPU runs bf16 matmuls natively (AMX tiles or AVX-512 BF16 dot products).
+NATIVE_BF16_CPU_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
+
+
+# ---------------------------------------------------------------------------- dtype
+def read_cpu_flags(path: str = "/proc/cpuinfo") -> frozenset:
+    """The CPU's feature flags (Linux); empty where there is no /proc/cpuinfo."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cuda_has_native_bf16(device: str) -> bool:
+    """Ampere (capability 8.0) or newer; emulated bf16 on older GPUs is slower than fp16."""
+    index = torch.device(device).index or 0
+    return (torch.cuda.get_device_capability(index) >= (8, 0)
+            and torch.cuda.is_bf16_supported(including_emulation=False))
+
+
+def resolve_dtype(flag: str, device: str, cpu_flags=frozenset(), cuda_bf16: bool = True,
+                  sharded: bool = False) -> tuple[str, str]:
+    """(dtype name, why) for --dtype `flag` on `device`; the hardware facts come in as arguments.
+
+    auto: bf16 on CUDA, fp16 (with a GradScaler) on GPUs without native bf16 -- but fp32
+    under FSDP, which has no sharded GradScaler here; on CPU bf16 autocast only where the
+    CPU has native bf16, since emulated bf16 is slower than fp32.
+    """
+    if flag != "auto":
+        return flag, "--dtype"
+    if device.startswith("cuda"):
+        if cuda_bf16:
+            return "bfloat16", "auto: the GPU has native bf16"
+        if sharded:
+            return "float32", "auto: the GPU lacks native bf16 and FSDP has no fp16 GradScaler here"
+        return "float16", "auto: the GPU lacks native bf16 (fp16 with a GradScaler)"
+    native = sorted(NATIVE_BF16_CPU_FLAGS & set(cpu_flags))
+    if native:
+        return "bfloat16", f"auto: the CPU has {'/'.join(native)}"
+    return "float32", "auto: the CPU lacks amx_bf16/avx512_bf16, where bf16 autocast is slower than fp32"
+
+
+def detect_dtype(flag: str, device: str, sharded: bool = False) -> tuple[str, str]:
+    """resolve_dtype with this machine's facts."""
+    on_cuda = device.startswith("cuda")
+    return resolve_dtype(flag, device, cpu_flags=frozenset() if on_cuda else read_cpu_flags(),
+                         cuda_bf16=cuda_has_native_bf16(device) if on_cuda else False, sharded=sharded)
+
+
+# ---------------------------------------------------------------------------- optimizers
+@dataclass(frozen=True)
+class OptimConfig:
+    optimizer: str = "adamw"        # adamw | muon
+    param_groups: str = "split"     # split (no decay on 1-D) | single (MiniMind: one group, one decay)
+    lr: float = 5e-4                # AdamW peak
+    weight_decay: float = 0.01
+    betas: tuple = (0.9, 0.95)
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
+    fused: bool = True              # fused AdamW (CPU and CUDA); off for the exact-reference tests
+
+    @classmethod
+    def from_args(cls, args) -> "OptimConfig":
+        return cls(optimizer=args.optimizer, param_groups=args.param_groups, lr=args.learning_rate,
+                   weight_decay=args.weight_decay, muon_lr=args.muon_lr, muon_momentum=args.muon_momentum)
+
+
+def check_optim_args(args):
+    if args.optimizer == "muon" and args.param_groups == "single":
+        raise UserError("--param_groups single is MiniMind's AdamW-on-everything recipe; "
+                        "with --optimizer muon drop it (or pass --optimizer adamw)")
+    if args.learning_rate <= 0 or args.muon_lr <= 0:
+        raise UserError("--learning_rate and --muon_lr must be positive")
+
+
+def is_block_matrix(name: str, param) -> bool:
+    """A 2-D weight inside a transformer block: Muon's share. Embedding/head stay on AdamW."""
+    return param.ndim == 2 and ".layers." in f".{name}"
+
+
+def param_groups(model, cfg: OptimConfig) -> list[dict]:
+    """The named groups of the module docstring; empty groups are left out."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # tied weights appear once
+    if cfg.param_groups == "single":
+        groups = [("all", [p for _, p in named], cfg.weight_decay, cfg.lr)]
+    else:
+        muon = [p for n, p in named if cfg.optimizer == "muon" and is_block_matrix(n, p)]
+        taken = {id(p) for p in muon}
+        groups = [("muon", muon, cfg.weight_decay, cfg.muon_lr),
+                  ("decay", [p for _, p in named if p.ndim >= 2 and id(p) not in taken], cfg.weight_decay, cfg.lr),
+                  ("no_decay", [p for _, p in named if p.ndim < 2], 0.0, cfg.lr)]
+    return [{"name": name, "params": params, "weight_decay": wd, "lr": lr}
+            for name, params, wd, lr in groups if params]
+
+
+def peak_lrs(cfg: OptimConfig) -> dict:
+    """Each group's peak lr. Kept out of the param groups (which a checkpoint restores),
+    so a resumed run follows this run's flags."""
+    return {"muon": cfg.muon_lr, "decay": cfg.lr, "no_decay": cfg.lr, "all": cfg.lr}
+
+
+class Optimizers:
+    """Several optimizers used as one: step, zero_grad, param_groups and state span them all.
+
+    GradScaler sees one object with every group (unscale_ and step work unchanged), and
+    it iterates as the list of optimizers it is, which is the form torch.distributed's
+    get_state_dict/set_state_dict take, so checkpoints hold every optimizer by parameter name.
+    """
+
+    def __init__(self, optimizers):
+        self.optimizers = list(optimizers)
+
+    def __iter__(self):
+        return iter(self.optimizers)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for opt in self.optimizers for g in opt.param_groups]
+
+    @property
+    def state(self) -> dict:
+        return {p: s for opt in self.optimizers for p, s in opt.state.items()}
+
+    def step(self):
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> list[dict]:
+        return [opt.state_dict() for opt in self.optimizers]
+
+    def load_state_dict(self, states: list[dict]):
+        for opt, state in zip(self.optimizers, states, strict=True):
+            opt.load_state_dict(state)
+
+
+def build_optimizer(model, cfg: OptimConfig) -> Optimizers:
+    """AdamW over the AdamW groups, plus torch.optim.Muon over the block matrices."""
+    groups = param_groups(model, cfg)
+    adamw_groups = [g for g in groups if g["name"] != "muon"]
+    muon_groups = [g for g in groups if g["name"] == "muon"]
+    # Fused AdamW runs on CPU and CUDA tensors alike (torch >= 2.4); one kernel per step.
+    optimizers = [torch.optim.AdamW(adamw_groups, lr=cfg.lr, betas=cfg.betas, fused=cfg.fused)]
+    if muon_groups:
+        optimizers.append(torch.optim.Muon(muon_groups, lr=cfg.muon_lr, momentum=cfg.muon_momentum,
+                                           weight_decay=cfg.weight_decay))
+    return Optimizers(optimizers)
+
+
+def describe(optimizer: Optimizers, peaks: dict) -> str:
+    """One line: each group's optimizer, size, peak lr and decay."""
+    parts = []
+    for opt in optimizer:
+        for g in opt.param_groups:
+            n = sum(p.numel() for p in g["params"])
+            parts.append(f"{g['name']} ({type(opt).__name__}, {n / 1e6:.2f}M params, lr {peaks[g['name']]:.1e}, "
+                         f"wd {g['weight_decay']:g})")
+    return "optimizer: " + "; ".join(parts)
+
+
+# ---------------------------------------------------------------------------- schedule
+def lr_factor(step: int, total_steps: int, warmup_steps: int = 0, min_lr_ratio: float = 0.1) -> float:
+    """Linear warmup to 1, then cosine decay to `min_lr_ratio` at `total_steps`."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizer, peaks: dict, step: int, total_steps: int, warmup_steps: int) -> dict:
+    """Schedule every group from its own peak; returns {group name: lr} for the log."""
+    factor = lr_factor(step, total_steps, warmup_steps)
+    for group in optimizer.param_groups:
+        group["lr"] = peaks[group["name"]] * factor
+    return {group["name"]: group["lr"] for group in optimizer.param_groups}
