@@ -285,3 +285,22 @@ def test_check_device(monkeypatch, device, launched_as, cuda, count, expected):
     with pytest.raises(UserError) as info:
         preflight.check_device(device)
     assert expected in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("script, argv, expected", [
+    ("eval", ["--temperature", "nan", "--prompt", "x"], "--temperature must be a finite number >= 0"),
+    ("eval", ["--top_p", "2", "--prompt", "x"], "--top_p must be in (0, 1]"),
+    ("eval", ["--max_new_tokens", "-1", "--prompt", "x"], "--max_new_tokens, --top_k and --seed must not be negative"),
+    ("eval", ["--device", "cuda:99", "--prompt", "x"], "--device cuda:99: "),
+    ("convert", ["--atol", "nan"], "--atol must be a finite number >= 0"),
+    ("convert", ["--out_dir", "/proc/nope", "--tokenizer_path", "none"], "/proc/nope: cannot write there"),
+])
+def test_script_flags_are_one_line_rc_2(weights, script, argv, expected, capsys):
+    from scripts.convert_model import main as convert_main
+
+    _, pth, _ = weights
+    shape = [x for k, v in FLAGS.items() for x in (f"--{k}", str(v))]
+    with pytest.raises(SystemExit) as info:
+        (eval_main if script == "eval" else convert_main)(["--weight_path", str(pth), *shape, *argv])
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 2 and "\n" not in err and expected in err, err
