@@ -94,8 +94,6 @@ def check_args(args, cuda_available: bool):
     if args.parallel == "fsdp" and args.dtype == "float16":
         raise UserError("--parallel fsdp trains in bfloat16 or float32 (no sharded GradScaler here); "
                         "pass --dtype bfloat16")
-    if args.parallel == "fsdp" and args.use_compile:
-        raise UserError("--use_compile 1 is not supported with --parallel fsdp yet; drop one of them")
 
 
 def resolve_dtype(args, device: str) -> torch.dtype:
