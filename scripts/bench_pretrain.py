@@ -10,6 +10,7 @@ Each variant is a real train_pretrain.py run on the same model and corpus:
     d  packed, torchrun with 2 processes
     e  packed, with glibc malloc tuned (MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_)
     f  packed + --doc_mask 1 (attention kept inside documents: explicit SDPA mask)
+    g  packed, torchrun with 2 processes + --use_compile 1 (compiled around DDP)
 
 Every process runs one thread by default (--threads changes it for the single-process
 variants), so on a 2-core machine (d) shows what a second process buys. Variants run in rounds, a, b, c, ... then again, so slow and fast
@@ -41,6 +42,7 @@ VARIANTS = {
     "d": ("packed, torchrun x2", 2, DEMO_BIN, [], {}),
     "e": ("packed + malloc env", 1, DEMO_BIN, [], MALLOC_TUNING),
     "f": ("packed + doc_mask", 1, DEMO_BIN, ["--doc_mask", "1"], {}),
+    "g": ("packed, torchrun x2 + compile", 2, DEMO_BIN, ["--use_compile", "1"], {}),
 }
 
 
