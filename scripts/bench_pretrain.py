@@ -12,6 +12,7 @@ Each variant is a real train_pretrain.py run on the same model and corpus:
     e  packed, with glibc malloc tuned (MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_)
     f  packed + --doc_mask 1 (attention kept inside documents: dense mask on CPU, FlexAttention on CUDA)
     g  packed, torchrun with N processes and --parallel fsdp
+    h  packed, torchrun with N processes + --use_compile 1 (compiled around DDP)
 
 Every process runs one thread by default (--threads changes it for the single-process
 variants), so on a 2-core machine (d) shows what a second process buys. Variants run in
@@ -55,6 +56,7 @@ VARIANTS = {
     "e": ("packed + malloc env", 1, DEMO_BIN, [], MALLOC_TUNING),
     "f": ("packed + doc_mask", 1, DEMO_BIN, ["--doc_mask", "1"], {}),
     "g": ("packed, FSDP torchrun xN", "N", DEMO_BIN, ["--parallel", "fsdp"], {}),
+    "h": ("packed, torchrun xN + compile", "N", DEMO_BIN, ["--use_compile", "1"], {}),
 }
 
 

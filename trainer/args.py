@@ -125,6 +125,4 @@ def check_args(args, cuda_available: bool):
         raise UserError("--parallel fsdp trains in bfloat16 or float32 (no sharded GradScaler here); "
                         "pass --dtype bfloat16")
     check_optim_args(args)
-    if args.parallel == "fsdp" and args.use_compile:
-        raise UserError("--use_compile 1 is not supported with --parallel fsdp yet; drop one of them")
 

@@ -1,5 +1,6 @@
 """How the model is spread over processes: DDP (a full replica per rank) or FSDP2
 (parameters, gradients and optimizer state sharded across ranks)."""
+import inspect
 from contextlib import contextmanager
 
 import torch
@@ -8,28 +9,44 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from trainer.trainer_utils import UserError
+
 
 def wrap_model(model, args, env):
     """Returns the module the loop calls. With DDP `model` stays the plain
     MiniMindForCausalLM; FSDP shards it in place (its parameters become DTensors)."""
     model.model.gradient_checkpointing = bool(args.grad_checkpointing)
-    if args.use_compile:
-        model = torch.compile(model)
     if not env.distributed:
-        return model
+        return torch.compile(model) if args.use_compile else model
     if args.parallel == "fsdp":
         return shard_model(model, args, env)
     # device_ids only on CUDA: with gloo on CPU there is no device to pin.
     # The only buffers are the RoPE tables, identical on every rank; re-broadcasting
     # them before every forward would cost a copy of each per step.
     device_ids = [env.local_rank] if env.device.startswith("cuda") else None
-    return DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False)
+    require_kwargs(DistributedDataParallel, ["forward_sync_buffers"], since="2.13")
+    net = DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False)
+    # Compiled after wrapping, dynamo's DDP optimizer cuts the graph at DDP's bucket
+    # boundaries, so each bucket's all-reduce overlaps the rest of the backward; a model
+    # compiled first would run its whole backward as one node, and all-reduce only after it.
+    return torch.compile(net) if args.use_compile else net
+
+
+def require_kwargs(fn, names, since: str):
+    """One line, instead of a TypeError on every rank, when this torch predates an argument we pass."""
+    accepted = inspect.signature(fn).parameters
+    missing = [name for name in names if name not in accepted]
+    if missing:
+        raise UserError(f"torch {torch.__version__} has no {fn.__name__}({missing[0]}=...) (new in torch {since}); "
+                        f"install the pinned versions: pip install -r requirements.txt")
 
 
 def shard_model(model, args, env):
     """FSDP2: one shard group per transformer block, and the root for the rest
     (the tied embedding / lm_head, the final norm). A block's full weights exist
-    only while it computes, so memory per rank falls with the world size."""
+    only while it computes, so memory per rank falls with the world size.
+    With --use_compile each block is compiled on its own (in place, so parameter
+    names do not change), between the all-gathers that FSDP runs around it."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy()
@@ -37,6 +54,8 @@ def shard_model(model, args, env):
         # Compute in bf16, keep fp32 master weights and reduce gradients in fp32.
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.model.layers:
+        if args.use_compile:
+            block.compile()
         fully_shard(block, mp_policy=policy)
     return fully_shard(model, mp_policy=policy)
 
@@ -45,6 +64,7 @@ def shard_model(model, args, env):
 def gradient_sync(net, enabled: bool):
     """Skip the gradient all-reduce (DDP) or reduce-scatter (FSDP) on micro-batches
     that are not the last of an accumulation window."""
+    net = getattr(net, "_orig_mod", net)  # the module inside torch.compile's wrapper
     if enabled:
         yield
     elif isinstance(net, DistributedDataParallel):

@@ -55,6 +55,21 @@ def ensure_data(args):
         barrier()
 
 
+def configure_cuda(device: str, dtype: torch.dtype):
+    """Per-process CUDA settings (nothing to do on CPU)."""
+    if not device.startswith("cuda"):
+        return
+    if torch.device(device).index is not None:
+        # One process started with --device cuda:N: make N the current device, or CUDA
+        # contexts, compiled kernels and memory stats land on cuda:0 (torchrun ranks have
+        # set theirs in init_distributed_mode already).
+        torch.cuda.set_device(torch.device(device))
+    if dtype == torch.float32:
+        # fp32 matmuls on TF32 tensor cores: fp32 storage and accumulation, 10-bit mantissa
+        # products, several times the plain fp32 rate on Ampere and later.
+        torch.set_float32_matmul_precision("high")
+
+
 def save_weights(model, args, prefix):
     """The seed's inference format: a half-precision state_dict, written atomically by rank 0
     (every rank takes part in gathering it when the model is sharded)."""
@@ -140,6 +155,7 @@ def train(args, env) -> int:
     Logger(f"dtype: {dtype_name} ({why})")
     args = argparse.Namespace(**{**vars(args), "dtype": dtype_name})  # the resolved name from here on
     dtype = getattr(torch, dtype_name)
+    configure_cuda(env.device, dtype)
     device_type = "cuda" if env.device.startswith("cuda") else "cpu"
     autocast = nullcontext() if dtype == torch.float32 else torch.autocast(device_type, dtype=dtype)
     world_size, rank = env.world_size, env.rank
