@@ -15,7 +15,8 @@
 # 5. the --doc_mask kernels: scripts/bench_attention.py --device cuda (dense mask vs
 #    FlexAttention, forward+backward, and their outputs and gradients compared).
 # A part that fails prints FAILED and the end of its log, and the rest still runs. Every part
-# gets at most what is left of the budget (GPU_CHECK_BUDGET seconds, default 450).
+# gets at most what is left of the budget (GPU_CHECK_BUDGET seconds, default 450), and each
+# training variant at most GPU_CHECK_VARIANT_LIMIT seconds (default 150, compilation included).
 #
 # Needs only the repo and a Python with torch, transformers, tokenizers, numpy, safetensors, tqdm
 # (no network, no pip, no wandb): the demo corpus and its packed .bin are built here.
@@ -61,7 +62,9 @@ run() {
     timeout -k 5 "$limit" "$@" > "$LOGS/$name.log" 2>&1
     local rc=$?
     if (( rc == 0 )); then
-        [[ -z ${QUIET:-} ]] && grep -v -e 'Warning' -e 'warnings.warn' "$LOGS/$name.log" | tee -a "$REPORT"
+        # without progress bars (tqdm's '\r' updates) and Python warnings
+        [[ -z ${QUIET:-} ]] && tr '\r' '\n' < "$LOGS/$name.log" | grep -v -e '%|' -e 'Warning' -e 'warnings.warn' \
+            | grep -v '^ *$' | tee -a "$REPORT"
         say "[$name] ok in $((SECONDS - start))s"
     else
         (( rc == 124 || rc == 137 )) && say "[$name] FAILED: timed out after ${limit}s" || say "[$name] FAILED: rc $rc"
@@ -136,14 +139,14 @@ if [[ -s dataset/demo_pretrain.jsonl && -s dataset/demo_pretrain.bin ]]; then
     for (( i = 0; i < ${#VARIANTS}; i++ )); do
         key=${VARIANTS:i:1}
         limit=$(left)
-        (( limit > 150 )) && limit=150
+        (( limit > ${GPU_CHECK_VARIANT_LIMIT:-150} )) && limit=${GPU_CHECK_VARIANT_LIMIT:-150}
         if (( limit < 45 )); then say "[variant_$key] SKIPPED: out of time (${SECONDS}s of ${BUDGET}s used)"; continue; fi
         # bench_pretrain stops a run at --timeout itself (SIGTERM to torchrun, which passes it on),
-        # well inside run's own limit, so no trainer is left holding the GPU.
+        # well inside run's own limit (and stops it on SIGTERM), so no trainer keeps the GPU.
         QUIET=1 run "variant_$key" "$limit" "$PYTHON" scripts/bench_pretrain.py --device "$DEVICE" --variants "$key" \
             --nproc 1 --rounds 1 --steps "$STEPS" --warmup "$WARMUP" --hidden_size "$HIDDEN" \
             --num_hidden_layers "$LAYERS" --max_seq_len "$SEQ" --batch_size "$BATCH" --dtype bfloat16 \
-            --timeout "$((limit - 30))" --out "$WORK/variant_$key.json" --keep_logs "$LOGS"
+            --timeout "$((limit - 40))" --out "$WORK/variant_$key.json" --keep_logs "$LOGS"
     done
 else
     say "[variants] SKIPPED: no demo corpus (see corpus / pack above)"
