@@ -12,7 +12,6 @@ reference for what a mask costs. On CPU FlexAttention has no backward (torch rai
 NotImplementedError), so only its forward is timed there; --check compares the two masks'
 outputs (and, where FlexAttention has a backward, their gradients).
 """
-import argparse
 import statistics
 import sys
 import time

@@ -165,7 +165,7 @@ def wait_with_usage(proc, timeout):
         raise
 
 
-def stop(proc, grace=20):
+def stop(proc, grace=15):
     """SIGTERM first: torchrun starts its workers in sessions of their own and only passes a
     SIGTERM on to them (a SIGKILL would leave them running, holding the GPU)."""
     os.killpg(proc.pid, signal.SIGTERM)
@@ -208,8 +208,15 @@ def print_table(results, failures, args):
         print(f"\n--- {key}) {label(key, args)}: FAILED, last lines of its log:\n{why}")
 
 
+def interrupted(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main():
     args = parse_args()
+    # timeout(1) and schedulers stop us with SIGTERM: the runs, in sessions of their own, are
+    # stopped first (wait_with_usage), so none is left holding the GPU.
+    signal.signal(signal.SIGTERM, interrupted)
     ensure_packed_corpus()
     rows = {k: [] for k in args.variants}
     rss = {k: 0.0 for k in args.variants}

@@ -7,14 +7,16 @@
 # 2. flash attention: SDPA forced onto the flash kernel (sdpa_kernel(FLASH_ATTENTION)) for the
 #    model's own attention call, forward and backward, in bf16 at our head sizes; then the
 #    kernels the profiler sees when SDPA chooses by itself;
-# 3. the --doc_mask kernels: scripts/bench_attention.py --device cuda (dense mask vs
-#    FlexAttention, forward+backward, and their outputs and gradients compared);
+# 3. the demo corpus and its packed .bin, built here (scripts/build_demo_corpus.py, prepare_data.py);
 # 4. the 64M model (hidden 768, 8 layers) at seq 1024 in bf16, one trainer run per variant
 #    through scripts/bench_pretrain.py: packed eager, compiled, doc_mask, torchrun
 #    --nproc_per_node=1 (NCCL), FSDP under torchrun (1 GPU), padded JSONL; one table row each
-#    (tokens/s, MFU and peak memory from the trainer's metrics jsonl).
+#    (tokens/s, MFU and peak memory from the trainer's metrics jsonl), printed at the end;
+# 5. the --doc_mask kernels: scripts/bench_attention.py --device cuda (dense mask vs
+#    FlexAttention, forward+backward, and their outputs and gradients compared).
 # A part that fails prints FAILED and the end of its log, and the rest still runs. Every part
-# gets at most what is left of the budget (GPU_CHECK_BUDGET seconds, default 450).
+# gets at most what is left of the budget (GPU_CHECK_BUDGET seconds, default 450), and each
+# training variant at most GPU_CHECK_VARIANT_LIMIT seconds (default 150, compilation included).
 #
 # Needs only the repo and a Python with torch, transformers, tokenizers, numpy, safetensors, tqdm
 # (no network, no pip, no wandb): the demo corpus and its packed .bin are built here.
@@ -60,11 +62,13 @@ run() {
     timeout -k 5 "$limit" "$@" > "$LOGS/$name.log" 2>&1
     local rc=$?
     if (( rc == 0 )); then
-        [[ -z ${QUIET:-} ]] && grep -v -e 'Warning' -e 'warnings.warn' "$LOGS/$name.log" | tee -a "$REPORT"
+        # without progress bars (tqdm's '\r' updates) and Python warnings
+        [[ -z ${QUIET:-} ]] && tr '\r' '\n' < "$LOGS/$name.log" | grep -v -e '%|' -e 'Warning' -e 'warnings.warn' \
+            | grep -v '^ *$' | tee -a "$REPORT"
         say "[$name] ok in $((SECONDS - start))s"
     else
         (( rc == 124 || rc == 137 )) && say "[$name] FAILED: timed out after ${limit}s" || say "[$name] FAILED: rc $rc"
-        tail -n 20 "$LOGS/$name.log" | sed 's/^/    /' | tee -a "$REPORT"
+        tr '\r' '\n' < "$LOGS/$name.log" | grep -v '^ *$' | tail -n 20 | sed 's/^/    /' | tee -a "$REPORT"
     fi
     return $rc
 }
@@ -123,30 +127,34 @@ fi
 
 # ---------------------------------------------------------------- 3. demo corpus and its packed .bin
 if [[ ! -s dataset/demo_pretrain.jsonl ]]; then
-    run corpus 120 "$PYTHON" scripts/build_demo_corpus.py --jobs "$(nproc)"
+    run corpus 180 "$PYTHON" scripts/build_demo_corpus.py --jobs "$(nproc)"
 fi
-if [[ ! -s dataset/demo_pretrain.bin ]]; then
-    run pack 90 "$PYTHON" scripts/prepare_data.py --data_path dataset/demo_pretrain.jsonl \
+if [[ -s dataset/demo_pretrain.jsonl && ! -s dataset/demo_pretrain.bin ]]; then
+    run pack 120 "$PYTHON" scripts/prepare_data.py --data_path dataset/demo_pretrain.jsonl \
         --out_path dataset/demo_pretrain.bin --num_proc "$(nproc)"
 fi
 
-# ---------------------------------------------------------------- 4. dense mask vs FlexAttention
-run doc_mask_kernels 100 "$PYTHON" scripts/bench_attention.py --device "$DEVICE" --hidden_sizes "$HIDDEN" \
-    --seq_lens "$SEQ" --batch_size "$BATCH" --repeats 10
+# ---------------------------------------------------------------- 4. the 64M model, one run per variant
+if [[ -s dataset/demo_pretrain.jsonl && -s dataset/demo_pretrain.bin ]]; then
+    for (( i = 0; i < ${#VARIANTS}; i++ )); do
+        key=${VARIANTS:i:1}
+        limit=$(left)
+        (( limit > ${GPU_CHECK_VARIANT_LIMIT:-150} )) && limit=${GPU_CHECK_VARIANT_LIMIT:-150}
+        if (( limit < 45 )); then say "[variant_$key] SKIPPED: out of time (${SECONDS}s of ${BUDGET}s used)"; continue; fi
+        # bench_pretrain stops a run at --timeout itself (SIGTERM to torchrun, which passes it on),
+        # well inside run's own limit (and stops it on SIGTERM), so no trainer keeps the GPU.
+        QUIET=1 run "variant_$key" "$limit" "$PYTHON" scripts/bench_pretrain.py --device "$DEVICE" --variants "$key" \
+            --nproc 1 --rounds 1 --steps "$STEPS" --warmup "$WARMUP" --hidden_size "$HIDDEN" \
+            --num_hidden_layers "$LAYERS" --max_seq_len "$SEQ" --batch_size "$BATCH" --dtype bfloat16 \
+            --timeout "$((limit - 40))" --out "$WORK/variant_$key.json" --keep_logs "$LOGS"
+    done
+else
+    say "[variants] SKIPPED: no demo corpus (see corpus / pack above)"
+fi
 
-# ---------------------------------------------------------------- 5. the 64M model, one run per variant
-for (( i = 0; i < ${#VARIANTS}; i++ )); do
-    key=${VARIANTS:i:1}
-    limit=$(left)
-    (( limit > 150 )) && limit=150
-    if (( limit < 45 )); then say "[variant_$key] SKIPPED: out of time (${SECONDS}s of ${BUDGET}s used)"; continue; fi
-    # bench_pretrain stops a run at --timeout itself (SIGTERM to torchrun, which passes it on),
-    # well inside run's own limit, so no trainer is left holding the GPU.
-    QUIET=1 run "variant_$key" "$limit" "$PYTHON" scripts/bench_pretrain.py --device "$DEVICE" --variants "$key" \
-        --nproc 1 --rounds 1 --steps "$STEPS" --warmup "$WARMUP" --hidden_size "$HIDDEN" \
-        --num_hidden_layers "$LAYERS" --max_seq_len "$SEQ" --batch_size "$BATCH" --dtype bfloat16 \
-        --timeout "$((limit - 30))" --out "$WORK/variant_$key.json" --keep_logs "$LOGS"
-done
+# ---------------------------------------------------------------- 5. dense mask vs FlexAttention
+run doc_mask_kernels 120 "$PYTHON" scripts/bench_attention.py --device "$DEVICE" --hidden_sizes "$HIDDEN" \
+    --seq_lens "$SEQ" --batch_size "$BATCH" --repeats 10
 
 # ---------------------------------------------------------------- the table
 say ""

@@ -76,13 +76,13 @@ class Throughput:
 
     def __init__(self, tokens_per_step: int, device: str = "cpu"):
         self.tokens_per_step = tokens_per_step
-        self.cuda = device.startswith("cuda")
+        self.cuda = torch.device(device) if device.startswith("cuda") else None
         self._reset()
 
     def _now(self) -> float:
         # Wait for queued GPU work, so it is counted on the side of the clock it belongs to.
-        if self.cuda:
-            torch.cuda.synchronize()
+        if self.cuda is not None:
+            torch.cuda.synchronize(self.cuda)
         return time.perf_counter()
 
     def _reset(self):
