@@ -23,6 +23,8 @@ from dataset.shards import MANIFEST, ShardedPackedDataset
 from scripts import prepare_data
 from scripts.prepare_data import prepare
 from tests import helpers_data
+from tests.fault_helpers import job, run_all
+from tests.launch_utils import TINY, assert_bitwise_equal, latest_checkpoint, out_args
 from trainer.data import ResumableDistributedSampler, open_dataset
 
 DEMO = helpers_data.REPO_ROOT / "dataset" / "demo_pretrain.jsonl"
@@ -175,9 +177,9 @@ def test_each_bad_input_gets_one_line(tmp_path, tok_dir, monkeypatch, capsys):
 def test_a_killed_prep_resumes_and_skips_complete_shards(tmp_path, tok_dir):
     data = tmp_path / "data"
     data.mkdir()
-    demo = DEMO.read_text()
-    for k in range(6):
-        (data / f"f{k}.jsonl").write_text(demo * 2)
+    lines = DEMO.read_text().splitlines(keepends=True)
+    for k in range(5):  # each about a second of tokenizing: the kill lands between two files
+        (data / f"f{k}.jsonl").write_text("".join(lines[k * 300:(k + 1) * 300]))
     cmd = [sys.executable, str(helpers_data.REPO_ROOT / "scripts" / "prepare_data.py"), "--data_path", str(data),
            "--out_path", str(tmp_path / "out"), "--tokenizer_path", str(tok_dir), "--num_proc", "1"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -189,16 +191,16 @@ def test_a_killed_prep_resumes_and_skips_complete_shards(tmp_path, tok_dir):
     proc.wait()
     assert not (tmp_path / "out" / MANIFEST).exists(), "the run finished before the kill; use bigger inputs"
     done = len(list((tmp_path / "out" / ".prep").glob("input-*.json")))
-    assert 1 <= done < 6
+    assert 1 <= done < 5
 
     resumed = prepare(data, tmp_path / "out", tok_dir, num_proc=1)
-    assert resumed["inputs_skipped"] == done and resumed["inputs"] == 6 - done
+    assert resumed["inputs_skipped"] == done and resumed["inputs"] == 5 - done
     assert not list((tmp_path / "out").glob("*.tmp*")), "what the killed run left was cleared"
-    prepare(data, tmp_path / "clean", tok_dir, num_proc=2)
+    prepare(data, tmp_path / "clean", tok_dir, num_proc=1)
     assert without_runs(tmp_path / "out") == without_runs(tmp_path / "clean")
     assert shard_bytes(tmp_path / "out") == shard_bytes(tmp_path / "clean")
     again = prepare(data, tmp_path / "out", tok_dir, num_proc=1)
-    assert again["inputs"] == 0 and again["inputs_skipped"] == 6 and again["manifest"] is not None
+    assert again["inputs"] == 0 and again["inputs_skipped"] == 5 and again["manifest"] is not None
 
 
 # ---------------------------------------------------------------------------- training reads shards
@@ -261,3 +263,35 @@ def test_an_unfinished_prep_directory_is_refused(tmp_path, tok_dir):
     prepare(data, tmp_path / "out", tok_dir, num_proc=1, num_shards=2, shard_index=0)
     with pytest.raises(DataError, match="prepare_data.py has not finished here"):
         ShardedPackedDataset(tmp_path / "out", 4)
+
+
+# ---------------------------------------------------------------------------- the real trainer, 2 processes
+def test_training_on_shards_resumes_bitwise_as_on_the_concatenated_file(tmp_path, tok_dir):
+    """Both jobs side by side: 2 processes on the single .bin made from the concatenated
+    inputs; 2 processes on the shard directory, one rank SIGKILLed at step 4, torchrun
+    restarting the group, which resumes from step 3. Same windows, same final weights."""
+    lines = DEMO.read_text().splitlines(keepends=True)[:300]
+    (tmp_path / "data").mkdir()
+    for k in range(3):
+        (tmp_path / "data" / f"part{k}.jsonl").write_text("".join(lines[k * 100:(k + 1) * 100]))
+    (tmp_path / "whole.jsonl").write_text("".join(lines))
+    prepare(tmp_path / "whole.jsonl", tmp_path / "whole.bin", tok_dir, num_proc=1)
+    prepare(str(tmp_path / "data" / "*.jsonl"), tmp_path / "shards", tok_dir, num_proc=1, shard_tokens=5000)
+
+    base = [*TINY, "--max_steps", "6", "--save_interval", "3", "--global_batch_size", "8", "--num_workers", "1"]
+    jobs = {
+        "straight": job(2, [*base, "--data_path", str(tmp_path / "whole.bin"), *out_args(tmp_path / "straight")],
+                        tmp_path / "straight"),
+        "restarted": job(2, [*base, "--data_path", str(tmp_path / "shards"), *out_args(tmp_path / "restarted"),
+                             "--from_resume", "1"], tmp_path / "restarted",
+                         env={"MINIMIND_FAULT_AT_STEP": "4", "MINIMIND_FAULT_RANK": "1"},
+                         launcher_args=["--max-restarts=1"]),
+    }
+    results = run_all(jobs, timeout=300)
+    for name, result in results.items():
+        assert result.returncode == 0, f"{name}: {result.stdout[-3000:]}"
+    assert "[fault injection] rank 1 SIGKILLs itself at step 4" in results["restarted"].stdout
+    assert "pretrain_64_resume_step0000003.pth at step 3/6" in results["restarted"].stdout
+    straight, restarted = latest_checkpoint(tmp_path / "straight"), latest_checkpoint(tmp_path / "restarted")
+    assert straight["global_step"] == restarted["global_step"] == 6
+    assert_bitwise_equal(straight["model"], restarted["model"])
