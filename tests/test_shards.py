@@ -168,9 +168,24 @@ def test_each_bad_input_gets_one_line(tmp_path, tok_dir, monkeypatch, capsys):
     rc, lines = run_cli(monkeypatch, capsys, "--data_path", tmp_path / "rows.parquet", "--text_column", "content", *out)
     assert rc == 2 and len(lines) == 1 and "rows.parquet: row group 0, row 1: column 'content' is null" in lines[0]
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("*.bin*"))
+    (tmp_path / "empty").mkdir()
+    assert run_cli(monkeypatch, capsys, "--data_path", tmp_path / "empty", *out) == (
+        2, [f"error: --data_path {tmp_path / 'empty'}: directory has no .jsonl or .parquet file; pass a directory, "
+            f"file or quoted glob of .jsonl or .parquet files"])
     # the trainer names an empty pattern the same way
     with pytest.raises(DataError, match=r"the pattern matches no \.bin or \.jsonl or \.parquet file"):
         open_dataset(str(pattern), "--data_path", None, 16, 6400)
+
+
+def test_the_trainer_reads_a_directory_of_jsonl_files_one_after_the_other(tmp_path, tok_dir):
+    from transformers import AutoTokenizer
+
+    whole = split_corpus(tmp_path / "data")
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    many = open_dataset(str(tmp_path / "data"), "--data_path", tokenizer, 32, 6400)
+    one = open_dataset(str(whole), "--data_path", tokenizer, 32, 6400)
+    assert len(many) == len(one) == len(TEXTS)
+    assert all(torch.equal(many[i][0], one[i][0]) for i in range(len(one)))
 
 
 # ---------------------------------------------------------------------------- a killed prep resumes
