@@ -310,3 +310,23 @@ def test_training_on_shards_resumes_bitwise_as_on_the_concatenated_file(tmp_path
     straight, restarted = latest_checkpoint(tmp_path / "straight"), latest_checkpoint(tmp_path / "restarted")
     assert straight["global_step"] == restarted["global_step"] == 6
     assert_bitwise_equal(straight["model"], restarted["model"])
+
+
+def test_shards_of_two_tokenizers_are_refused(tmp_path):
+    folder, _ = hand_made_shards(tmp_path / "shards", [20, 20])
+    meta = json.loads((folder / "s001.bin.json").read_text())
+    (folder / "s001.bin.json").write_text(json.dumps(dict(meta, eos_token_id=3)))
+    with pytest.raises(DataError, match=r"s001\.bin: eos_token_id 3 differs from 2 in s000\.bin"):
+        ShardedPackedDataset(folder, 4)
+
+
+def test_a_truncated_shard_is_named_and_redone_by_a_rerun(tmp_path, tok_dir):
+    split_corpus(tmp_path / "data")
+    prepare(tmp_path / "data", tmp_path / "out", tok_dir, num_proc=1)
+    shard = tmp_path / "out" / "00001-part1.bin"
+    shard.write_bytes(shard.read_bytes()[:-2])
+    with pytest.raises(DataError, match=r"00001-part1\.bin: \d+ bytes, but manifest\.json says"):
+        ShardedPackedDataset(tmp_path / "out", 4)
+    again = prepare(tmp_path / "data", tmp_path / "out", tok_dir, num_proc=1)
+    assert again["inputs"] == 1 and again["inputs_skipped"] == 2
+    assert len(ShardedPackedDataset(tmp_path / "out", 4)) > 0
