@@ -9,6 +9,9 @@ On disk:
 
 Window i is stream[i*T : i*T + T + 1]. Consecutive windows share one boundary token, so every
 token of the stream except the very first is a prediction target exactly once.
+
+The stream may also be a directory of such files (dataset/shards.py), read as their
+concatenation: the windows are the same as those of one file holding all of it.
 """
 
 import json

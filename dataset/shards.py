@@ -95,12 +95,12 @@ def find_token_shards(source, flag="--data_path"):
     for bin_path in resolve_data_paths(source, (".bin",), flag):
         metas.append(read_meta(bin_path))
         shards.append((bin_path, metas[-1]["num_tokens"]))
-    for bin_path, meta in zip(shards, metas):
+    for (bin_path, _), meta in zip(shards, metas):
         differing = [k for k in SHARED_KEYS if meta[k] != metas[0][k]]
         if differing:
-            raise DataError(f"{bin_path[0]}: {differing[0]} {meta[differing[0]]} differs from "
-                            f"{metas[0][differing[0]]} in {shards[0][0].name}; tokenize all shards with one "
-                            f"tokenizer")
+            key = differing[0]
+            raise DataError(f"{bin_path}: {key} {meta[key]} differs from {metas[0][key]} in {shards[0][0].name}; "
+                            f"tokenize all shards with one tokenizer")
     meta = {k: metas[0][k] for k in (*SHARED_KEYS, "tokenizer")}
     meta.update(num_tokens=sum(m["num_tokens"] for m in metas), num_docs=sum(m["num_docs"] for m in metas))
     return shards, meta

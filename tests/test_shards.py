@@ -23,6 +23,8 @@ from dataset.shards import MANIFEST, ShardedPackedDataset
 from scripts import prepare_data
 from scripts.prepare_data import prepare
 from tests import helpers_data
+from tests.fault_helpers import job, run_all
+from tests.launch_utils import TINY, assert_bitwise_equal, latest_checkpoint, out_args
 from trainer.data import ResumableDistributedSampler, open_dataset
 
 DEMO = helpers_data.REPO_ROOT / "dataset" / "demo_pretrain.jsonl"
@@ -166,18 +168,33 @@ def test_each_bad_input_gets_one_line(tmp_path, tok_dir, monkeypatch, capsys):
     rc, lines = run_cli(monkeypatch, capsys, "--data_path", tmp_path / "rows.parquet", "--text_column", "content", *out)
     assert rc == 2 and len(lines) == 1 and "rows.parquet: row group 0, row 1: column 'content' is null" in lines[0]
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("*.bin*"))
+    (tmp_path / "empty").mkdir()
+    assert run_cli(monkeypatch, capsys, "--data_path", tmp_path / "empty", *out) == (
+        2, [f"error: --data_path {tmp_path / 'empty'}: directory has no .jsonl or .parquet file; pass a directory, "
+            f"file or quoted glob of .jsonl or .parquet files"])
     # the trainer names an empty pattern the same way
     with pytest.raises(DataError, match=r"the pattern matches no \.bin or \.jsonl or \.parquet file"):
         open_dataset(str(pattern), "--data_path", None, 16, 6400)
+
+
+def test_the_trainer_reads_a_directory_of_jsonl_files_one_after_the_other(tmp_path, tok_dir):
+    from transformers import AutoTokenizer
+
+    whole = split_corpus(tmp_path / "data")
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    many = open_dataset(str(tmp_path / "data"), "--data_path", tokenizer, 32, 6400)
+    one = open_dataset(str(whole), "--data_path", tokenizer, 32, 6400)
+    assert len(many) == len(one) == len(TEXTS)
+    assert all(torch.equal(many[i][0], one[i][0]) for i in range(len(one)))
 
 
 # ---------------------------------------------------------------------------- a killed prep resumes
 def test_a_killed_prep_resumes_and_skips_complete_shards(tmp_path, tok_dir):
     data = tmp_path / "data"
     data.mkdir()
-    demo = DEMO.read_text()
-    for k in range(6):
-        (data / f"f{k}.jsonl").write_text(demo * 2)
+    lines = DEMO.read_text().splitlines(keepends=True)
+    for k in range(5):  # each about a second of tokenizing: the kill lands between two files
+        (data / f"f{k}.jsonl").write_text("".join(lines[k * 300:(k + 1) * 300]))
     cmd = [sys.executable, str(helpers_data.REPO_ROOT / "scripts" / "prepare_data.py"), "--data_path", str(data),
            "--out_path", str(tmp_path / "out"), "--tokenizer_path", str(tok_dir), "--num_proc", "1"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -189,16 +206,16 @@ def test_a_killed_prep_resumes_and_skips_complete_shards(tmp_path, tok_dir):
     proc.wait()
     assert not (tmp_path / "out" / MANIFEST).exists(), "the run finished before the kill; use bigger inputs"
     done = len(list((tmp_path / "out" / ".prep").glob("input-*.json")))
-    assert 1 <= done < 6
+    assert 1 <= done < 5
 
     resumed = prepare(data, tmp_path / "out", tok_dir, num_proc=1)
-    assert resumed["inputs_skipped"] == done and resumed["inputs"] == 6 - done
+    assert resumed["inputs_skipped"] == done and resumed["inputs"] == 5 - done
     assert not list((tmp_path / "out").glob("*.tmp*")), "what the killed run left was cleared"
-    prepare(data, tmp_path / "clean", tok_dir, num_proc=2)
+    prepare(data, tmp_path / "clean", tok_dir, num_proc=1)
     assert without_runs(tmp_path / "out") == without_runs(tmp_path / "clean")
     assert shard_bytes(tmp_path / "out") == shard_bytes(tmp_path / "clean")
     again = prepare(data, tmp_path / "out", tok_dir, num_proc=1)
-    assert again["inputs"] == 0 and again["inputs_skipped"] == 6 and again["manifest"] is not None
+    assert again["inputs"] == 0 and again["inputs_skipped"] == 5 and again["manifest"] is not None
 
 
 # ---------------------------------------------------------------------------- training reads shards
@@ -261,3 +278,55 @@ def test_an_unfinished_prep_directory_is_refused(tmp_path, tok_dir):
     prepare(data, tmp_path / "out", tok_dir, num_proc=1, num_shards=2, shard_index=0)
     with pytest.raises(DataError, match="prepare_data.py has not finished here"):
         ShardedPackedDataset(tmp_path / "out", 4)
+
+
+# ---------------------------------------------------------------------------- the real trainer, 2 processes
+def test_training_on_shards_resumes_bitwise_as_on_the_concatenated_file(tmp_path, tok_dir):
+    """Both jobs side by side: 2 processes on the single .bin made from the concatenated
+    inputs; 2 processes on the shard directory, one rank SIGKILLed at step 4, torchrun
+    restarting the group, which resumes from step 3. Same windows, same final weights."""
+    lines = DEMO.read_text().splitlines(keepends=True)[:300]
+    (tmp_path / "data").mkdir()
+    for k in range(3):
+        (tmp_path / "data" / f"part{k}.jsonl").write_text("".join(lines[k * 100:(k + 1) * 100]))
+    (tmp_path / "whole.jsonl").write_text("".join(lines))
+    prepare(tmp_path / "whole.jsonl", tmp_path / "whole.bin", tok_dir, num_proc=1)
+    prepare(str(tmp_path / "data" / "*.jsonl"), tmp_path / "shards", tok_dir, num_proc=1, shard_tokens=5000)
+
+    base = [*TINY, "--max_steps", "6", "--save_interval", "3", "--global_batch_size", "8", "--num_workers", "1"]
+    jobs = {
+        "straight": job(2, [*base, "--data_path", str(tmp_path / "whole.bin"), *out_args(tmp_path / "straight")],
+                        tmp_path / "straight"),
+        "restarted": job(2, [*base, "--data_path", str(tmp_path / "shards"), *out_args(tmp_path / "restarted"),
+                             "--from_resume", "1"], tmp_path / "restarted",
+                         env={"MINIMIND_FAULT_AT_STEP": "4", "MINIMIND_FAULT_RANK": "1"},
+                         launcher_args=["--max-restarts=1"]),
+    }
+    results = run_all(jobs, timeout=300)
+    for name, result in results.items():
+        assert result.returncode == 0, f"{name}: {result.stdout[-3000:]}"
+    assert "[fault injection] rank 1 SIGKILLs itself at step 4" in results["restarted"].stdout
+    assert "pretrain_64_resume_step0000003.pth at step 3/6" in results["restarted"].stdout
+    straight, restarted = latest_checkpoint(tmp_path / "straight"), latest_checkpoint(tmp_path / "restarted")
+    assert straight["global_step"] == restarted["global_step"] == 6
+    assert_bitwise_equal(straight["model"], restarted["model"])
+
+
+def test_shards_of_two_tokenizers_are_refused(tmp_path):
+    folder, _ = hand_made_shards(tmp_path / "shards", [20, 20])
+    meta = json.loads((folder / "s001.bin.json").read_text())
+    (folder / "s001.bin.json").write_text(json.dumps(dict(meta, eos_token_id=3)))
+    with pytest.raises(DataError, match=r"s001\.bin: eos_token_id 3 differs from 2 in s000\.bin"):
+        ShardedPackedDataset(folder, 4)
+
+
+def test_a_truncated_shard_is_named_and_redone_by_a_rerun(tmp_path, tok_dir):
+    split_corpus(tmp_path / "data")
+    prepare(tmp_path / "data", tmp_path / "out", tok_dir, num_proc=1)
+    shard = tmp_path / "out" / "00001-part1.bin"
+    shard.write_bytes(shard.read_bytes()[:-2])
+    with pytest.raises(DataError, match=r"00001-part1\.bin: \d+ bytes, but manifest\.json says"):
+        ShardedPackedDataset(tmp_path / "out", 4)
+    again = prepare(tmp_path / "data", tmp_path / "out", tok_dir, num_proc=1)
+    assert again["inputs"] == 1 and again["inputs_skipped"] == 2
+    assert len(ShardedPackedDataset(tmp_path / "out", 4)) > 0

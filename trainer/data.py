@@ -16,7 +16,7 @@ from torch.utils.data import ConcatDataset, DataLoader, Dataset, DistributedSamp
 from dataset.lm_dataset import PretrainDataset
 from dataset.packed_dataset import PackedPretrainDataset
 from dataset.shards import MANIFEST, PREP_DIR, ShardedPackedDataset
-from dataset.sources import resolve_data_paths
+from dataset.sources import GLOB_CHARS, resolve_data_paths
 from trainer.trainer_utils import UserError
 
 
@@ -64,12 +64,15 @@ def open_dataset(path: str, flag: str, tokenizer, max_seq_len: int, vocab_size: 
     """One .jsonl or .bin file; or a manifest, directory or glob of .bin shards (one packed
     stream) or of .jsonl files (their lines one after the other)."""
     as_path = Path(path)
-    if as_path.is_file() and as_path.name != MANIFEST:
+    one_file = as_path.is_file() or not (as_path.is_dir() or any(c in path for c in GLOB_CHARS))
+    if one_file and as_path.name != MANIFEST:  # a missing file gets the message of its kind
         if as_path.suffix == ".bin":
             return PackedPretrainDataset(path, max_seq_len, vocab_size=vocab_size, tokenizer=tokenizer)
         if as_path.suffix in (".jsonl", ".json"):
             return PretrainDataset(path, tokenizer, max_seq_len)
-        raise UserError(f"{flag} {path}: expected a .jsonl file, or .bin shards made by scripts/prepare_data.py")
+    if as_path.is_file() and as_path.name != MANIFEST:
+        raise UserError(f"{flag} {path}: expected a .jsonl file, or .bin shards made by scripts/prepare_data.py "
+                        f"(a file, a directory or a quoted glob)")
     if as_path.is_file() or (as_path / MANIFEST).is_file() or (as_path / PREP_DIR).is_dir():
         return ShardedPackedDataset(path, max_seq_len, vocab_size=vocab_size, tokenizer=tokenizer)
     files = resolve_data_paths(path, (".bin", ".jsonl", ".parquet"), flag)
