@@ -19,6 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--save_weight", default="pretrain", help="file name prefix of weights and checkpoints")
     out.add_argument("--checkpoint_dir", default=str(REPO_ROOT / "checkpoints"), help="resume checkpoints go here")
     out.add_argument("--save_interval", type=int, default=100, help="save weights + resume checkpoint every N steps")
+    out.add_argument("--save_every_minutes", type=float, default=0,
+                     help="also save when this many minutes passed since the last save (0: off; "
+                          "checked every --log_interval steps)")
     out.add_argument("--keep_last", type=int, default=3, help="resume checkpoints to keep")
     out.add_argument("--log_interval", type=int, default=10, help="log every N optimizer steps")
     out.add_argument("--use_wandb", action="store_true")
@@ -85,6 +88,8 @@ def check_args(args, cuda_available: bool):
             raise UserError(f"--{flag} must be at least 1, got {getattr(args, flag)}")
     if args.max_steps < 0 or args.global_batch_size < 0 or args.warmup_steps < 0:
         raise UserError("--max_steps, --global_batch_size and --warmup_steps must not be negative")
+    if args.save_every_minutes < 0:
+        raise UserError(f"--save_every_minutes must not be negative, got {args.save_every_minutes}")
     if not 0 <= args.val_fraction < 1:
         raise UserError(f"--val_fraction must be in [0, 1), got {args.val_fraction}")
     if args.hidden_size % 8:

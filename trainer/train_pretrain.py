@@ -33,21 +33,23 @@ from trainer.parallel import (  # noqa: E402
     as_local_scalar, full_state_dict, gradient_sync, local_state_mib, weights_finite, wrap_model,
 )
 from trainer.resilience import PreemptionFlag, inject_crash, inject_nan  # noqa: E402
+from trainer.save_schedule import SaveSchedule  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
     Logger, UserError, all_reduce_sum, barrier, cleanup_distributed, fail, get_lr, init_distributed_mode,
     init_model, is_main_process, model_config_from_args, setup_seed,
 )
 
 
-def ensure_data(args):
-    """The default corpus is built on first use, by rank 0 while the others wait."""
-    if Path(args.data_path) == DEMO_CORPUS and not DEMO_CORPUS.exists():
-        if is_main_process():
-            from scripts.build_demo_corpus import ensure_demo_corpus
+def ensure_data(args, local_rank: int):
+    """The default corpus is built on first use. Nodes may each have their own disk, so
+    the first process of every node builds its node's copy (the write is atomic, so
+    nodes sharing a disk merely race to write the same bytes). Every rank waits in the
+    same barrier, whatever it found on its own disk."""
+    if Path(args.data_path) == DEMO_CORPUS and local_rank == 0 and not DEMO_CORPUS.exists():
+        from scripts.build_demo_corpus import ensure_demo_corpus
 
-            Logger(f"building the demo corpus {DEMO_CORPUS} (first run only)")
-            ensure_demo_corpus(DEMO_CORPUS)
-        barrier()
+        ensure_demo_corpus(DEMO_CORPUS)
+    barrier()
 
 
 def save_weights(model, args, prefix):
@@ -131,7 +133,7 @@ def train(args, env) -> int:
     tokenizer = load_tokenizer(args.tokenizer_path)
     config = model_config_from_args(args, args.vocab_size)
     check_model_fits(args, tokenizer, config)
-    ensure_data(args)
+    ensure_data(args, env.local_rank)
     data = build_data(args, tokenizer, config.vocab_size)
     plan = plan_steps(args, len(data.train), world_size)
     total_steps = plan.total_steps
@@ -167,6 +169,7 @@ def train(args, env) -> int:
     loader = make_train_loader(data.train, sampler, args, pin)
     val_loader = make_val_loader(data.val, args, rank, world_size, pin) if data.val is not None else None
     log = RunLogger(args, prefix, is_main_process(), start_step, total_steps, wandb_id, env.device)
+    saves = SaveSchedule(args.save_interval, args.save_every_minutes, args.log_interval, env.device)
     preempt = PreemptionFlag()
     preempt.install()
     throughput = Throughput(plan.samples_per_step * args.max_seq_len)
@@ -188,6 +191,7 @@ def train(args, env) -> int:
             "samples_per_step": plan.samples_per_step, "world_size": world_size, "tokens_seen": tokens_seen,
             "wandb_run_id": log.wandb_run_id, "model_config": config.to_dict(),
         }, model, optimizer, args.checkpoint_dir, prefix, args.keep_last, sharded)
+        saves.saved()
 
     # ------------------------------------------------------------------ 6. train
     global_step, bad_steps = start_step, 0
@@ -230,7 +234,7 @@ def train(args, env) -> int:
             if val_loader is not None and (last or (args.eval_interval and global_step % args.eval_interval == 0)):
                 log.log_val(global_step, tokens_seen, evaluate(net, val_loader, autocast, env.device,
                                                                data.labels_are_shifted))
-            if global_step % args.save_interval == 0 or last or stop:
+            if saves.due(global_step) or last or stop:
                 checkpoint(global_step)
             if stop:
                 Logger(f"preempted: saved step {global_step} to {args.checkpoint_dir}; resume with --from_resume 1")
