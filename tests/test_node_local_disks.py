@@ -1,6 +1,7 @@
 """Nodes that each have their own disk: two "nodes" on 127.0.0.1, each a torchrun started
 from its own copy of the repository, with relative --checkpoint_dir and --data_path.
 Only node 0 ever holds a checkpoint; a resume must not need one on node 1."""
+import argparse
 import re
 import shutil
 import subprocess
@@ -73,3 +74,26 @@ def test_resume_after_a_kill_needs_the_checkpoint_on_node_0_only(nodes):
     assert f"ckpt/pretrain_64_resume_step{STEPS:07d}.pth" in checkpoint_files(node0)
     # Node 1 never had a checkpoint (nor weights) of its own, before or after.
     assert checkpoint_files(node1) == [] and not (node1 / "ckpt").exists() and not (node1 / "out").exists()
+
+
+# ---------------------------------------------------------------------------- per-node artefacts
+@pytest.mark.parametrize("local_rank, exists, builds", [(0, False, True), (1, False, False), (0, True, False)])
+def test_demo_corpus_is_built_by_local_rank_0_of_each_node_and_every_rank_waits(
+        tmp_path, monkeypatch, local_rank, exists, builds):
+    """Rank 2 of 4 on two nodes is local rank 0 of node 1: it builds its node's copy. Every
+    rank takes the one barrier, whether it built, waited or found the file on its disk."""
+    import scripts.build_demo_corpus
+    from trainer import train_pretrain
+
+    corpus = tmp_path / "demo_pretrain.jsonl"
+    if exists:
+        corpus.write_text('{"text": "x"}\n')
+    built, barriers = [], []
+    monkeypatch.setattr(train_pretrain, "DEMO_CORPUS", corpus)
+    monkeypatch.setattr(scripts.build_demo_corpus, "ensure_demo_corpus", built.append)
+    monkeypatch.setattr(train_pretrain, "barrier", lambda: barriers.append(1))
+    monkeypatch.setattr(train_pretrain, "is_main_process", lambda: False)  # a rank of node 1
+
+    train_pretrain.ensure_data(argparse.Namespace(data_path=str(corpus)), local_rank)
+    assert built == ([corpus] if builds else [])
+    assert barriers == [1]
