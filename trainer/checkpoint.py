@@ -3,7 +3,7 @@
 Layout in --checkpoint_dir, for the run prefix `{save_weight}_{hidden}[_moe]`:
 
     pretrain_512_resume_step0001200.pth        the checkpoint itself (torch.save)
-    pretrain_512_resume_step0001200.pth.json   its size and sha256, written after it
+    pretrain_512_resume_step0001200.pth.json   its size and sha256 (hashed as it was written), written after it
     pretrain_512_resume.pth -> ..._step0001200.pth   symlink to the newest, swapped atomically
 
 FSDP runs write `..._step0001200.dcp/` instead (and point `..._resume.dcp` at it):
@@ -14,6 +14,9 @@ kind of run, at any world size.
 A checkpoint becomes visible only through os.replace of a finished temp file or
 folder, and the record comes after it, so a kill at any moment leaves every
 earlier checkpoint intact and the half-written one unrecorded (and therefore skipped).
+
+Only rank 0 writes a .pth and only rank 0 reads it back (and broadcasts it), so with
+DDP the checkpoint directory may be a disk of node 0's own.
 """
 import glob
 import hashlib
