@@ -19,6 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--save_weight", default="pretrain", help="file name prefix of weights and checkpoints")
     out.add_argument("--checkpoint_dir", default=str(REPO_ROOT / "checkpoints"), help="resume checkpoints go here")
     out.add_argument("--save_interval", type=int, default=100, help="save weights + resume checkpoint every N steps")
+    out.add_argument("--save_every_minutes", type=float, default=0,
+                     help="also save when this many minutes passed since the last save (0: off; "
+                          "checked every --log_interval steps)")
     out.add_argument("--keep_last", type=int, default=3, help="resume checkpoints to keep")
     out.add_argument("--log_interval", type=int, default=10, help="log every N optimizer steps")
     out.add_argument("--use_wandb", action="store_true")
@@ -95,6 +98,7 @@ FLOAT_RANGES = {
     "weight_decay": (0.0, True, "AdamW's decoupled weight decay, e.g. 0.01"),
     "dist_timeout": (0.0, False, "seconds a collective may wait, e.g. 600"),
     "peak_tflops": (0.0, True, "the device's peak TFLOP/s, 0 to look it up"),
+    "save_every_minutes": (0.0, True, "minutes of training between saves, 0 for off"),
 }
 
 

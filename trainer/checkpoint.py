@@ -3,7 +3,7 @@
 Layout in --checkpoint_dir, for the run prefix `{save_weight}_{hidden}[_moe]`:
 
     pretrain_512_resume_step0001200.pth        the checkpoint itself (torch.save)
-    pretrain_512_resume_step0001200.pth.json   its size and sha256, written after it
+    pretrain_512_resume_step0001200.pth.json   its size and sha256 (hashed as it was written), written after it
     pretrain_512_resume.pth -> ..._step0001200.pth   symlink to the newest, swapped atomically
 
 FSDP runs write `..._step0001200.dcp/` instead (and point `..._resume.dcp` at it):
@@ -14,6 +14,9 @@ kind of run, at any world size.
 A checkpoint becomes visible only through os.replace of a finished temp file or
 folder, and the record comes after it, so a kill at any moment leaves every
 earlier checkpoint intact and the half-written one unrecorded (and therefore skipped).
+
+Only rank 0 writes a .pth and only rank 0 reads it back (and broadcasts it), so with
+DDP the checkpoint directory may be a disk of node 0's own.
 """
 import glob
 import hashlib
@@ -27,7 +30,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_state_dict, set_model_state_dict, set_optimizer_state_dict, set_state_dict,
+)
 
 from trainer.trainer_utils import Logger, UserError, barrier, broadcast_from_main, is_main_process
 
@@ -118,13 +123,37 @@ def _sha256(path, chunk=1 << 22) -> str:
     return digest.hexdigest()
 
 
-def atomic_torch_save(obj, path):
+class _HashingFile:
+    """The file torch.save writes to, hashing the bytes on their way through: the
+    checkpoint's record then costs no second read of a file of a gigabyte or more.
+    torch.save only ever appends to a file object, so this is the file's sha256."""
+
+    def __init__(self, f):
+        self._f, self._digest, self.size = f, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        self._digest.update(data)  # hashlib releases the GIL for large blocks
+        self.size += memoryview(data).nbytes
+        return self._f.write(data)
+
+    def flush(self):
+        self._f.flush()
+
+    def record(self) -> dict:
+        return {"size": self.size, "sha256": self._digest.hexdigest()}
+
+
+def atomic_torch_save(obj, path) -> dict:
+    """torch.save to a temp file, fsync, then rename over `path`: a kill leaves the old file
+    or the new one, never half of one. Returns the file's {size, sha256}, hashed as written."""
     tmp = f"{path}.tmp"
     with open(tmp, "wb") as f:
-        torch.save(obj, f)
+        hashing = _HashingFile(f)
+        torch.save(obj, hashing)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    return hashing.record()
 
 
 def _atomic_write_text(path, text):
@@ -164,10 +193,11 @@ def _remove(path):
         os.remove(path)
 
 
-def _publish(path, checkpoint_dir, prefix, keep_last, trainer_state):
-    """Rank 0, once `path` is complete: record it, point `latest` at it, drop the oldest."""
+def _publish(path, checkpoint_dir, prefix, keep_last, trainer_state, files):
+    """Rank 0, once `path` is complete: record it (`files`: {name: {size, sha256}}),
+    point `latest` at it, drop the oldest."""
     record = {"global_step": trainer_state["global_step"], "tokens_seen": trainer_state["tokens_seen"],
-              "world_size": trainer_state["world_size"], "files": _file_records(path)}
+              "world_size": trainer_state["world_size"], "files": files}
     _atomic_write_text(f"{path}.json", json.dumps(record))
     _point_latest(checkpoint_dir, prefix, path)
     for old in list_checkpoints(checkpoint_dir, prefix)[max(1, keep_last):]:
@@ -196,19 +226,27 @@ def save_checkpoint(trainer_state: dict, model, optimizer, checkpoint_dir: str, 
             torch.save(trainer_state, os.path.join(f"{path}.tmp", TRAINER_STATE))
             _remove(path)
             os.replace(f"{path}.tmp", path)
+            # Every rank wrote shards through DCP's own writer: hash them by reading back.
+            _publish(path, checkpoint_dir, prefix, keep_last, trainer_state, _file_records(path))
     elif is_main_process():
-        atomic_torch_save(dict(trainer_state, model=model_state, optimizer=optim_state), path)
-    if is_main_process():
-        _publish(path, checkpoint_dir, prefix, keep_last, trainer_state)
+        written = atomic_torch_save(dict(trainer_state, model=model_state, optimizer=optim_state), path)
+        _publish(path, checkpoint_dir, prefix, keep_last, trainer_state, {os.path.basename(path): written})
     barrier()
     return path
 
 
 def restore_model_and_optimizer(state: dict, model, optimizer):
-    """Load a checkpoint's weights and optimizer state into this run's (possibly sharded) model."""
-    if "model" in state:  # a full .pth: every rank holds everything, each keeps its part
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                       options=StateDictOptions(full_state_dict=True))
+    """Load a checkpoint's weights and optimizer state into this run's (possibly sharded) model.
+
+    A .pth is in rank 0's memory only (see load_latest_checkpoint): rank 0 broadcasts
+    it tensor by tensor and every rank keeps its part, so no other rank reads the file,
+    which may not even exist on its node."""
+    if not state["path"].endswith(".dcp"):
+        # Two calls, not set_state_dict: with an empty model state (every rank but 0) it
+        # would skip the model on those ranks and leave rank 0 alone in the broadcast.
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist.is_initialized())
+        set_optimizer_state_dict(model, optimizer, state.pop("optimizer", {}), options=options)
+        set_model_state_dict(model, state.pop("model", {}), options=options)
         return
     # A DCP folder: describe what this run holds, let DCP fill it from whatever sharding was saved.
     model_state, optim_state = get_state_dict(model, optimizer)
@@ -289,24 +327,29 @@ def _choose_checkpoint(checkpoint_dir, prefix, model_config: dict):
 
 
 def load_latest_checkpoint(checkpoint_dir: str, prefix: str, model_config: dict) -> dict | None:
-    """The newest verified checkpoint as a state dict on every rank (CPU tensors), or
-    None when this run has none. Rank 0 decides and broadcasts its decision, so every
-    rank resumes from the same file even if their views of the directory differ."""
-    path, state, message = None, None, None
+    """The newest verified checkpoint, or None when this run has none.
+
+    Only rank 0 looks at --checkpoint_dir and reads the checkpoint: on a cluster whose
+    nodes each have their own disk, the file exists on rank 0's node alone. Every rank
+    gets the trainer state (step, data position, every rank's RNG state; small) by
+    broadcast; the weights and optimizer state of a .pth stay on rank 0 until
+    restore_model_and_optimizer broadcasts them."""
+    trainer_state, message = None, None
     if is_main_process():
         try:
             path, state = _choose_checkpoint(checkpoint_dir, prefix, model_config)
         except UserError as exc:
-            message = str(exc)
-    path, message = broadcast_from_main((path, message))
+            path, state, message = None, None, str(exc)
+        if path is not None:
+            trainer_state = {k: v for k, v in state.items() if k not in WEIGHT_KEYS} | {"path": path}
+    trainer_state, message = broadcast_from_main((trainer_state, message))
     if message:
         raise UserError(message)
-    if path is None:
+    if trainer_state is None:
         return None
-    if state is None:
-        state = _load_trainer_state(path)
-    state["path"] = path
-    return state
+    if is_main_process() and not trainer_state["path"].endswith(".dcp"):
+        return dict(trainer_state, **{k: state[k] for k in WEIGHT_KEYS})
+    return trainer_state
 
 
 def lm_checkpoint(checkpoint_dir, prefix, model=None, optimizer=None, state=None, model_config=None,

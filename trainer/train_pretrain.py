@@ -38,21 +38,23 @@ from trainer.parallel import (  # noqa: E402
 )
 from trainer.preflight import check_device, check_output_dirs  # noqa: E402
 from trainer.resilience import PreemptionFlag, inject_crash, inject_nan  # noqa: E402
+from trainer.save_schedule import SaveSchedule  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
     Logger, UserError, all_reduce_sum, barrier, cleanup_distributed, fail, init_distributed_mode,
     init_model, is_main_process, model_config_from_args, setup_seed,
 )
 
 
-def ensure_data(args):
-    """The default corpus is built on first use, by rank 0 while the others wait."""
-    if Path(args.data_path) == DEMO_CORPUS and not DEMO_CORPUS.exists():
-        if is_main_process():
-            from scripts.build_demo_corpus import ensure_demo_corpus
+def ensure_data(args, local_rank: int):
+    """The default corpus is built on first use. Nodes may each have their own disk, so
+    the first process of every node builds its node's copy (the write is atomic, so
+    nodes sharing a disk merely race to write the same bytes). Every rank waits in the
+    same barrier, whatever it found on its own disk."""
+    if Path(args.data_path) == DEMO_CORPUS and local_rank == 0 and not DEMO_CORPUS.exists():
+        from scripts.build_demo_corpus import ensure_demo_corpus
 
-            Logger(f"building the demo corpus {DEMO_CORPUS} (first run only)")
-            ensure_demo_corpus(DEMO_CORPUS)
-        barrier()
+        ensure_demo_corpus(DEMO_CORPUS)
+    barrier()
 
 
 def configure_cuda(device: str, dtype: torch.dtype):
@@ -166,7 +168,7 @@ def train(args, env) -> int:
     tokenizer = load_tokenizer(args.tokenizer_path)
     config = model_config_from_args(args, args.vocab_size)
     check_model_fits(args, tokenizer, config)
-    ensure_data(args)
+    ensure_data(args, env.local_rank)
     data = build_data(args, tokenizer, config.vocab_size)
     plan = plan_steps(args, len(data.train), world_size)
     total_steps = plan.total_steps
@@ -203,6 +205,7 @@ def train(args, env) -> int:
     val_loader = make_val_loader(data.val, args, rank, world_size, pin) if data.val is not None else None
     byte_lengths = token_byte_lengths(tokenizer, config.vocab_size).to(env.device)
     log = RunLogger(args, prefix, is_main_process(), start_step, total_steps, wandb_id, env.device)
+    saves = SaveSchedule(args.save_interval, args.save_every_minutes, args.log_interval, env.device)
     preempt = PreemptionFlag()
     preempt.install()
     throughput = Throughput(plan.samples_per_step * args.max_seq_len, env.device)
@@ -224,6 +227,7 @@ def train(args, env) -> int:
             "samples_per_step": plan.samples_per_step, "world_size": world_size, "tokens_seen": tokens_seen,
             "wandb_run_id": log.wandb_run_id, "model_config": config.to_dict(),
         }, model, optimizer, args.checkpoint_dir, prefix, args.keep_last, sharded)
+        saves.saved()
 
     # ------------------------------------------------------------------ 6. train
     global_step, bad_steps = start_step, 0
@@ -261,7 +265,7 @@ def train(args, env) -> int:
             log_now = global_step % args.log_interval == 0 or last
             eval_now = val_loader is not None and (
                 last or (args.eval_interval and global_step % args.eval_interval == 0))
-            save_now = global_step % args.save_interval == 0 or last or stop
+            save_now = saves.due(global_step) or last or stop  # due() first: every rank calls it every step
             if log_now or eval_now or save_now:  # steps that read the device anyway
                 new_tokens = totals.take_tokens()
                 tokens_seen += new_tokens

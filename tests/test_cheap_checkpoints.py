@@ -1,0 +1,99 @@
+"""What keeps a save cheap: the sha256 is taken while the file is written, the finiteness
+check reads the device once, and time-based saves follow rank 0's clock on every rank."""
+import hashlib
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from trainer.checkpoint import atomic_torch_save
+from trainer.parallel import weights_finite
+from trainer.save_schedule import SaveSchedule
+
+
+def test_the_record_hashed_while_writing_is_the_file_on_disk(tmp_path):
+    path = tmp_path / "ckpt.pth"
+    state = {"model": {"w": torch.randn(300, 500), "b": torch.zeros(7)}, "step": torch.tensor(3), "note": "x"}
+    record = atomic_torch_save(state, str(path))
+    data = path.read_bytes()
+    assert record == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert not os.path.exists(f"{path}.tmp")
+    assert torch.equal(torch.load(path, weights_only=True)["model"]["w"], state["model"]["w"])
+
+
+class HostReads(TorchDispatchMode):
+    """Counts device-to-host scalar reads (.item(), bool(t)): each one stalls a GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("poison", [None, float("nan"), float("inf"), -float("inf")])
+def test_weights_finite_is_one_host_read_for_any_number_of_parameters(poison):
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(20)])  # 40 parameters
+    if poison is not None:
+        with torch.no_grad():
+            model[13].bias[5] = poison
+    with HostReads() as reads:
+        finite = weights_finite(model)
+    assert finite == (poison is None)
+    assert reads.count == 1
+
+
+def test_a_huge_but_finite_weight_is_finite():
+    model = torch.nn.Linear(4, 4)
+    with torch.no_grad():
+        model.weight.fill_(3e38)  # its 2-norm would overflow to inf; the max does not
+    assert weights_finite(model)
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_save_schedule_steps_and_minutes():
+    clock = FakeClock()
+    saves = SaveSchedule(every_steps=100, every_minutes=1.0, check_every=10, clock=clock)
+    clock.now = 59.0
+    assert not saves.due(10)  # a minute has not passed
+    clock.now = 61.0
+    assert not saves.due(11)  # it has, but the clock is looked at every 10 steps only
+    assert saves.due(20)
+    saves.saved()
+    clock.now = 100.0
+    assert not saves.due(30)  # 39 s since that save
+    assert saves.due(100)  # the step interval holds regardless of the clock
+    assert not SaveSchedule(every_steps=100, clock=clock).due(10)  # no --save_every_minutes: steps only
+
+
+def _schedule_worker(rank, tmp_dir):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_dir}/init", rank=rank, world_size=2)
+    clock = FakeClock()
+    saves = SaveSchedule(every_steps=1000, every_minutes=1.0, check_every=1, clock=clock)
+    answers = []
+    # Rank 1's clock says a minute passed long before rank 0's does: rank 0 decides.
+    for step, (t0, t1) in enumerate([(10, 70), (30, 500), (61, 0), (62, 62)], start=1):
+        clock.now = t0 if rank == 0 else t1
+        answers.append(saves.due(step))
+    torch.save(answers, f"{tmp_dir}/answers{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_every_rank_follows_rank_0s_clock(tmp_path):
+    # fork: the workers need nothing but what this process has already imported
+    mp.start_processes(_schedule_worker, args=(str(tmp_path),), nprocs=2, join=True, start_method="fork")
+    answers = [torch.load(tmp_path / f"answers{rank}.pt") for rank in (0, 1)]
+    assert answers[0] == answers[1] == [False, False, True, True]

@@ -1,0 +1,99 @@
+"""Nodes that each have their own disk: two "nodes" on 127.0.0.1, each a torchrun started
+from its own copy of the repository, with relative --checkpoint_dir and --data_path.
+Only node 0 ever holds a checkpoint; a resume must not need one on node 1."""
+import argparse
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.helpers_data import SAMPLE_TEXTS, write_jsonl
+from tests.launch_utils import REPO_ROOT, TINY, TORCHRUN, free_port, read_metrics, run_env
+
+STEPS, SAVE, KILL = 16, 5, 13  # saves at 5 and 10, rank 1 dies before step 13
+RUN = [*TINY, "--data_path", "dataset/small.jsonl", "--checkpoint_dir", "ckpt", "--save_dir", "out",
+       "--max_steps", str(STEPS), "--save_interval", str(SAVE)]
+
+
+def copy_repo(dest: Path) -> Path:
+    """What a node needs to train: the code, the tokenizer and its own data file."""
+    skip = shutil.ignore_patterns("__pycache__", "*.jsonl", "*.bin")
+    for package in ("trainer", "model", "dataset"):
+        shutil.copytree(REPO_ROOT / package, dest / package, ignore=skip)
+    write_jsonl(dest / "dataset" / "small.jsonl", [f"{SAMPLE_TEXTS[i % len(SAMPLE_TEXTS)]} #{i}" for i in range(300)])
+    return dest
+
+
+def run_two_nodes(nodes, extra=(), env=None, timeout=240) -> list[tuple[int, str]]:
+    port = free_port()
+    procs = [subprocess.Popen(
+        [*TORCHRUN, "--nnodes=2", "--nproc_per_node=1", f"--node_rank={rank}", "--master_addr=127.0.0.1",
+         f"--master_port={port}", "trainer/train_pretrain.py", *RUN, *extra],
+        cwd=node, env=run_env(node, env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for rank, node in enumerate(nodes)]
+    try:
+        outputs = [proc.communicate(timeout=timeout)[0] for proc in procs]
+        return [(proc.returncode, output) for proc, output in zip(procs, outputs)]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def checkpoint_files(node: Path) -> list[str]:
+    return sorted(str(p.relative_to(node)) for p in node.rglob("*resume*"))
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory):
+    root = tmp_path_factory.mktemp("nodes")
+    return [copy_repo(root / f"node{rank}") for rank in (0, 1)]
+
+
+def test_resume_after_a_kill_needs_the_checkpoint_on_node_0_only(nodes):
+    node0, node1 = nodes
+    fault = {"MINIMIND_FAULT_AT_STEP": str(KILL), "MINIMIND_FAULT_RANK": "1"}
+    killed = run_two_nodes(nodes, env=fault)
+    assert f"rank 1 SIGKILLs itself at step {KILL}" in killed[1][1], killed[1][1][-3000:]
+    assert all(rc != 0 for rc, _ in killed), [out[-2000:] for _, out in killed]
+    assert checkpoint_files(node0) == [
+        "ckpt/pretrain_64_resume.pth",
+        *[f"ckpt/pretrain_64_resume_step{s:07d}.pth{suffix}" for s in (SAVE, 2 * SAVE) for suffix in ("", ".json")]]
+    assert checkpoint_files(node1) == []
+
+    resumed = run_two_nodes(nodes, extra=["--from_resume", "1"])
+    for rank, (rc, output) in enumerate(resumed):
+        assert rc == 0, f"node {rank}:\n{output[-3000:]}"
+    out0 = resumed[0][1]
+    assert f"resumed from ckpt/pretrain_64_resume_step{2 * SAVE:07d}.pth at step {2 * SAVE}/{STEPS}" in out0
+    assert [int(m) for m in re.findall(r"^epoch \d+/\d+ step (\d+)/", out0, re.M)] == list(range(2 * SAVE + 1, STEPS + 1))
+    assert read_metrics(node0)[-1]["step"] == STEPS
+    assert f"ckpt/pretrain_64_resume_step{STEPS:07d}.pth" in checkpoint_files(node0)
+    # Node 1 never had a checkpoint (nor weights) of its own, before or after.
+    assert checkpoint_files(node1) == [] and not (node1 / "ckpt").exists() and not (node1 / "out").exists()
+
+
+# ---------------------------------------------------------------------------- per-node artefacts
+@pytest.mark.parametrize("local_rank, exists, builds", [(0, False, True), (1, False, False), (0, True, False)])
+def test_demo_corpus_is_built_by_local_rank_0_of_each_node_and_every_rank_waits(
+        tmp_path, monkeypatch, local_rank, exists, builds):
+    """Rank 2 of 4 on two nodes is local rank 0 of node 1: it builds its node's copy. Every
+    rank takes the one barrier, whether it built, waited or found the file on its disk."""
+    import scripts.build_demo_corpus
+    from trainer import train_pretrain
+
+    corpus = tmp_path / "demo_pretrain.jsonl"
+    if exists:
+        corpus.write_text('{"text": "x"}\n')
+    built, barriers = [], []
+    monkeypatch.setattr(train_pretrain, "DEMO_CORPUS", corpus)
+    monkeypatch.setattr(scripts.build_demo_corpus, "ensure_demo_corpus", built.append)
+    monkeypatch.setattr(train_pretrain, "barrier", lambda: barriers.append(1))
+    monkeypatch.setattr(train_pretrain, "is_main_process", lambda: False)  # a rank of node 1
+
+    train_pretrain.ensure_data(argparse.Namespace(data_path=str(corpus)), local_rank)
+    assert built == ([corpus] if builds else [])
+    assert barriers == [1]
