@@ -46,7 +46,8 @@ def step_timer(hidden, layers, dtype, seq, batch):
 def main(argv=None):
     p = OneLineArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default="256x4,512x8", help="hidden x layers, comma-separated")
-    p.add_argument("--steps", type=int, default=6, help="timed steps per dtype (after 2 warm-up steps)")
+    p.add_argument("--steps", type=int, default=6, help="timed steps per dtype")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per dtype first")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seq", type=int, default=340)
     p.add_argument("--batch", type=int, default=8)
@@ -60,10 +61,10 @@ def main(argv=None):
         hidden, layers = (int(v) for v in shape.split("x"))
         steps = {d: step_timer(hidden, layers, d, args.seq, args.batch) for d in ("fp32", "bf16")}
         times = {d: [] for d in steps}
-        for i in range(args.steps + 2):
+        for i in range(args.steps + args.warmup):
             for dtype, step in steps.items():
                 t = step()
-                if i >= 2:
+                if i >= args.warmup:
                     times[dtype].append(t)
         fp32, bf16 = statistics.median(times["fp32"]), statistics.median(times["bf16"])
         print(f"| {hidden}x{layers} | {fp32:.3f} | {bf16:.3f} | {fp32 / bf16:.2f}x |", flush=True)

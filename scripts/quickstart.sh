@@ -40,8 +40,10 @@ LAYERS="${QS_LAYERS:-4}"
 SEQ="${QS_SEQ:-256}"               # tokens per packed training window
 BATCH="${QS_BATCH:-4}"             # windows per process per step: global batch = BATCH x NPROC
 STEPS="${QS_STEPS:-600}"
-LR="${QS_LR:-3e-3}"                # peak; linear warmup, then cosine decay to 10%
-WARMUP="${QS_WARMUP:-20}"
+LR="${QS_LR:-3e-3}"                # AdamW's peak (embedding, norms); linear warmup, then cosine decay to 10%
+OPTIMIZER="${QS_OPTIMIZER:-muon}"  # the trainer's default: Muon on the blocks' matrices (scripts/bench_quality.py)
+MUON_LR="${QS_MUON_LR:-0.02}"
+WARMUP="${QS_WARMUP:-10}"
 EVAL_INTERVAL="${QS_EVAL_INTERVAL:-25}"  # a val point every N steps, for the plot
 VAL_EVERY="${QS_VAL_EVERY:-25}"    # every N-th document is held out (4% of the corpus)
 PROMPT="${QS_PROMPT:-Return the}"
@@ -95,7 +97,8 @@ rm -rf "$OUT/checkpoints"
 OMP_NUM_THREADS=1 "$TORCHRUN" "${RDZV[@]}" --nproc_per_node="$NPROC" trainer/train_pretrain.py \
     --data_path "$DATA/train.bin" --val_data_path "$DATA/val.bin" \
     "${SHAPE[@]}" --max_seq_len "$SEQ" --batch_size "$BATCH" --max_steps "$STEPS" \
-    --learning_rate "$LR" --warmup_steps "$WARMUP" --eval_interval "$EVAL_INTERVAL" --eval_batches 1000 \
+    --learning_rate "$LR" --optimizer "$OPTIMIZER" --muon_lr "$MUON_LR" --warmup_steps "$WARMUP" \
+    --eval_interval "$EVAL_INTERVAL" --eval_batches 1000 \
     --log_interval "$(( STEPS < 100 ? 1 : 10 ))" --save_interval "$STEPS" --num_workers 0 --device cpu \
     --save_dir "$OUT" --save_weight quickstart --checkpoint_dir "$OUT/checkpoints" \
     2>&1 | tee "$LOGS/train.log"
@@ -129,13 +132,14 @@ FINAL="$("$PYTHON" -c 'import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
 train = [r for r in rows if r.get("kind") == "train"][-1]
 val = [r for r in rows if r.get("kind") == "val"][-1]
-print(train["step"], format(train["loss"], ".4f"), format(val["val_loss"], ".4f"))' "$METRICS")"
-read -r LAST_STEP TRAIN_LOSS VAL_LOSS <<< "$FINAL"
+print(train["step"], format(train["loss"], ".4f"), format(val["val_loss"], ".4f"), format(val["val_bpb"], ".4f"))' "$METRICS")"
+read -r LAST_STEP TRAIN_LOSS VAL_LOSS VAL_BPB <<< "$FINAL"
 PPL="$(value ppl "$LOGS/ppl.txt")"
 BEATS="$(awk -v v="$VAL_LOSS" -v b="$BASELINE" 'BEGIN { print (v < b ? "yes" : "no") }')"
 
 printf '\noutputs:\n'
 printf '  %-9s %s\n' data "$DATA/{train,val}.{jsonl,bin}" weights "$PTH" metrics "$METRICS" \
     plot "$PLOT" hf "$HF_DIR" logs "$LOGS/"
-printf '\nquickstart summary: steps=%s final_train_loss=%s final_val_loss=%s unigram_baseline=%s %s val_ppl=%s %s\n' \
-    "$LAST_STEP" "$TRAIN_LOSS" "$VAL_LOSS" "$BASELINE" "beats_unigram=$BEATS" "$PPL" "wall=${SECONDS}s"
+printf '\nquickstart summary: steps=%s final_train_loss=%s final_val_loss=%s unigram_baseline=%s %s val_ppl=%s %s %s\n' \
+    "$LAST_STEP" "$TRAIN_LOSS" "$VAL_LOSS" "$BASELINE" "beats_unigram=$BEATS" "$PPL" "wall=${SECONDS}s" \
+    "val_bits_per_byte=$VAL_BPB"
