@@ -34,8 +34,8 @@ from trainer.parallel import (  # noqa: E402
 )
 from trainer.resilience import PreemptionFlag, inject_crash, inject_nan  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
-    Logger, UserError, all_reduce_sum, barrier, cleanup_distributed, fail, get_lr, init_distributed_mode,
-    init_model, is_main_process, model_config_from_args, setup_seed,
+    Logger, UserError, all_reduce_sum, barrier, cleanup_distributed, exit_peer_lost, fail, get_lr,
+    init_distributed_mode, init_model, is_main_process, model_config_from_args, peer_lost, setup_seed,
 )
 
 
@@ -82,7 +82,9 @@ def main(argv=None):
         exit_code = train(args, env)
     except (UserError, DataError) as exc:
         fail(str(exc))
-    except BaseException:
+    except BaseException as exc:
+        if env.distributed and peer_lost(exc):
+            exit_peer_lost(exc, bool(args.from_resume))
         cleanup_distributed(clean=False)
         raise
     cleanup_distributed(clean=True)
