@@ -1,12 +1,15 @@
 """Helpers of the fault-tolerance, checkpoint-safety and bad-input tests."""
 import hashlib
 import os
+import re
+import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.launch_utils import run_env, train_cmd
+from tests.launch_utils import TORCHRUN, TRAIN, run_env, train_cmd
 
 
 @dataclass
@@ -87,3 +90,80 @@ def error_lines(output: str) -> list[str]:
 def outputs_digest(run_dir) -> dict:
     """tree_digest of a run's checkpoint and output folders (TMPDIR litter elsewhere is ignored)."""
     return {sub: tree_digest(Path(run_dir) / sub) for sub in ("ckpt", "out")}
+
+
+# ---------------------------------------------------------------------------- elastic "nodes"
+# torch's shared agent TCPStore (its default) leaves a node that joins a running c10d job
+# waiting forever for MASTER_ADDR (the rank-0 agent posts it in the first round only), so
+# elastic jobs run with each round's own store, as the README tells users to.
+ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+class ElasticAgent:
+    """One torchrun agent of an elastic c10d job on 127.0.0.1, standing in for a node.
+
+    It runs in its own session, so it and its workers can be SIGKILLed together as a
+    lost node is; its output lines are kept with the monotonic time they arrived."""
+
+    def __init__(self, port: int, args, run_dir, rdzv_conf: str = "", nnodes: str = "1:2", env=None):
+        cmd = [*TORCHRUN, f"--nnodes={nnodes}", "--nproc_per_node=1", "--rdzv_backend=c10d",
+               f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=elastic_test", "--max-restarts=3",
+               *([f"--rdzv_conf={rdzv_conf}"] if rdzv_conf else []), str(TRAIN), *args]
+        self.proc = subprocess.Popen(cmd, cwd=run_dir, env=run_env(run_dir, {**ELASTIC_ENV, **(env or {})}),
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        self.lines: list[tuple[float, str]] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line))
+
+    @property
+    def output(self) -> str:
+        return "".join(line for _, line in self.lines)
+
+    def first_line_after(self, pattern: str, since: float) -> float | None:
+        """When the first line matching `pattern` arrived after `since`, or None."""
+        return next((t for t, line in list(self.lines) if t > since and re.search(pattern, line)), None)
+
+    def kill_node(self):
+        """SIGKILL the agent and every process under it at once, as when the node dies."""
+        for pid in _descendants(self.proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait()
+
+    def wait(self, timeout: float) -> int | None:
+        """The agent's exit code, or None after killing it when `timeout` passes first."""
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill_node()
+            return None
+        self._reader.join(timeout=5)
+        return self.proc.returncode
+
+
+def _descendants(pid: int) -> list[int]:
+    try:
+        children = [int(c) for task in os.listdir(f"/proc/{pid}/task")
+                    for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
+    except (FileNotFoundError, ProcessLookupError):
+        children = []
+    return [pid] + [d for child in children for d in _descendants(child)]
+
+
+def wait_until(predicate, timeout: float, what: str, agents=()):
+    """Poll `predicate` every 50 ms; on timeout kill the agents and fail, naming `what`."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            for agent in agents:
+                agent.kill_node()
+            tails = "\n".join(agent.output[-2000:] for agent in agents)
+            raise AssertionError(f"no {what} within {timeout:.0f}s\n{tails}")
+        time.sleep(0.05)

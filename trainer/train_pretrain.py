@@ -40,8 +40,8 @@ from trainer.preflight import check_device, check_output_dirs  # noqa: E402
 from trainer.resilience import PreemptionFlag, inject_crash, inject_nan  # noqa: E402
 from trainer.save_schedule import SaveSchedule  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
-    Logger, UserError, all_reduce_sum, barrier, cleanup_distributed, fail, init_distributed_mode,
-    init_model, is_main_process, model_config_from_args, setup_seed,
+    Logger, UserError, all_reduce_sum, barrier, cleanup_distributed, exit_peer_lost, fail,
+    init_distributed_mode, init_model, is_main_process, model_config_from_args, peer_lost, setup_seed,
 )
 
 
@@ -114,7 +114,9 @@ def main(argv=None):
         exit_code = train(args, env)
     except (UserError, DataError) as exc:
         fail(str(exc))
-    except BaseException:
+    except BaseException as exc:
+        if env.distributed and peer_lost(exc):
+            exit_peer_lost(exc, bool(args.from_resume))
         cleanup_distributed(clean=False)
         raise
     cleanup_distributed(clean=True)

@@ -5,6 +5,8 @@ import gc
 import math
 import os
 import random
+import re
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -69,18 +71,52 @@ def init_distributed_mode(device_flag: str | None = None, local_rank_flag: int |
 
 
 def restart_safe_store(timeout: timedelta):
-    """The torchrun agent's store, with keys private to this restart attempt (None elsewhere).
+    """A store of this worker group's own under torchrun's elastic agent (None elsewhere).
 
-    With `--max-restarts`, torchrun's static rendezvous keeps one TCPStore across
-    attempts. A restarted group would then find the dead group's gloo/NCCL addresses
-    under the same keys, connect to them and hang in init_process_group. Prefixing
-    the keys with the attempt number keeps each group to itself.
+    The agent hands its workers one TCPStore for the whole job (static rendezvous, and
+    c10d rendezvous unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1). A re-formed group
+    would find the dead group's gloo/NCCL addresses there under the same keys and hang
+    in init_process_group. No key prefix fixes this under c10d: the restart count is
+    each agent's own (a node that joins late starts at 0, and a membership change does
+    not count), so two members of one group can disagree. Instead rank 0 serves a
+    fresh store on a free port and posts its address in the agent's store; the others
+    take the posted address once it answers with the nonce posted beside it (a stale
+    one is left over from a dead rank 0: by the time a new group starts every agent
+    has stopped its old workers, so nothing answers there).
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
-    agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"minimind/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent_store)
+    host, rank = os.environ["MASTER_ADDR"], int(os.environ["RANK"])
+    agent_store = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    key = "minimind/group_store"
+    if rank == 0:
+        store = dist.TCPStore(host, 0, is_master=True, timeout=timeout, wait_for_workers=False)
+        nonce = f"{os.getpid()}-{time.time_ns()}"
+        store.set("minimind/nonce", nonce)
+        agent_store.set(key, f"{store.port} {nonce}")
+        return store
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        port, nonce = agent_store.get(key).decode().split()
+        if _port_open(host, int(port)):  # probe first: a failed TCPStore connect logs pages
+            try:
+                store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5))
+                if store.get("minimind/nonce").decode() == nonce:
+                    store.set_timeout(timeout)
+                    return store
+            except RuntimeError:  # DistError too: the port is taken by something else now
+                pass
+        if time.monotonic() > deadline:
+            raise dist.DistStoreError(f"rank {rank}: no store from rank 0 of this group within {timeout}")
+        time.sleep(0.2)
+
+
+def _port_open(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+        return True
+    except OSError:
+        return False
 
 
 def is_main_process() -> bool:
@@ -121,6 +157,34 @@ def cleanup_distributed(clean: bool = True):
     if clean:
         dist.barrier()
     dist.destroy_process_group()
+
+
+def peer_lost(exc: BaseException) -> bool:
+    """Did a collective fail because another process of the group died or hung?
+    NCCL and the stores raise DistError; gloo raises a plain RuntimeError naming itself."""
+    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo" in str(exc))
+
+
+def exit_peer_lost(exc: BaseException, resumes: bool):
+    """Say in one line that a peer is gone and what happens next, then exit at once.
+
+    One line instead of a gloo/NCCL stack trace on every surviving rank. No teardown:
+    destroying a process group whose peer is dead can block or abort in gloo, and the
+    elastic agent restarts the group only once every local worker has exited.
+    """
+    reason = re.sub(r"^\[[^\]]*\]\s*", "", str(exc).strip()).split("\n")[0].split(". ")[0][:160]
+    restarts_left = (int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+                     - int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    if restarts_left <= 0:
+        then = "no torchrun restart is left (--max-restarts); relaunch with --from_resume 1"
+    elif resumes:
+        then = "torchrun restarts the group with the processes left and it resumes from the last checkpoint"
+    else:
+        then = "torchrun restarts the group with the processes left, from step 0 (pass --from_resume 1 to resume)"
+    if is_main_process() or os.environ.get("LOCAL_RANK") == "0":
+        print(f"error: lost a peer process ({reason}); {then}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
 
 
 def Logger(*content, **kwargs):

@@ -1,0 +1,71 @@
+"""How long an elastic torchrun job needs to go on after losing a node, per rendezvous setting.
+
+    python scripts/bench_elastic.py [--steps 300]
+
+Two torchrun agents on 127.0.0.1 (--nnodes=1:2, c10d rendezvous) train the tiny model;
+after the first checkpoint of the group of 2, the second agent and its worker are
+SIGKILLed. The table splits the survivor's recovery into phases, timed from the kill:
+its worker's "lost a peer process" line, its agent seeing the failure, the new
+rendezvous done, the new worker's first step after the resume.
+"""
+import argparse
+import sys
+import time
+from pathlib import Path
+from tempfile import TemporaryDirectory
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.fault_helpers import ElasticAgent, wait_until  # noqa: E402
+from tests.launch_utils import TINY, free_port, out_args  # noqa: E402
+
+CONFIGS = {
+    "torchrun defaults": "",
+    "tuned (README)": "join_timeout=120,last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3",
+}
+PHASES = [("peer lost line", r"error: lost a peer process"), ("agent sees failure", r"Worker group FAILED"),
+          ("rendezvous done", r"Rendezvous complete for workers"), ("first step after resume", r"resumed from")]
+
+
+def measure(conf: str, steps: int, work: Path) -> dict:
+    port, args = free_port(), [*TINY, "--max_steps", str(steps), "--save_interval", "10", "--global_batch_size", "8",
+                               "--from_resume", "1", *out_args(work)]
+    env = {"LOGLEVEL": "INFO"}  # the agent's rendezvous log lines mark the phases
+    survivor = ElasticAgent(port, args, work, conf, env=env)
+    wait_until(lambda: survivor.first_line_after(r"Rendezvous complete", 0), 120, "first rendezvous", [survivor])
+    doomed = ElasticAgent(port, args, work, conf, env=env)
+    agents = [survivor, doomed]
+    wait_until(lambda: "world_size=2" in survivor.output, 180, "group of 2", agents)
+    wait_until(lambda: any((work / "ckpt").glob("*_step*.pth")), 180, "checkpoint", agents)
+    killed_at = time.monotonic()
+    doomed.kill_node()
+    wait_until(lambda: survivor.first_line_after(r"^epoch \d+/\d+ step", survivor.first_line_after(r"resumed from", killed_at) or 1e18),
+               300, "step after the resume", [survivor])
+    times, since = {}, killed_at
+    for name, pattern in PHASES:
+        at = survivor.first_line_after(pattern, since)
+        if name == "first step after resume":
+            at = survivor.first_line_after(r"^epoch \d+/\d+ step", at)
+        times[name], since = at - killed_at, at
+    survivor.kill_node()
+    return times
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300)
+    args = parser.parse_args()
+    rows = {}
+    for name, conf in CONFIGS.items():
+        with TemporaryDirectory() as tmp:
+            rows[name] = measure(conf, args.steps, Path(tmp))
+            print(f"{name}: {rows[name]}", flush=True)
+    print("\nseconds after the node is killed:")
+    print("| --rdzv_conf | " + " | ".join(name for name, _ in PHASES) + " |")
+    print("|---|" + "---|" * len(PHASES))
+    for name, times in rows.items():
+        print(f"| {name}: `{CONFIGS[name] or '-'}` | " + " | ".join(f"{times[p]:.1f}" for p, _ in PHASES) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""Elastic training: torchrun --nnodes=1:2 with c10d rendezvous, two agents on
+127.0.0.1 standing in for two nodes. A node lost for good leaves the survivor to
+re-form the group at world size 1 and finish; a node that joins later is taken in at
+the next restart. Either way the weights end where an uninterrupted single-process run
+ends, since --global_batch_size fixes the batch and the sample order at any world size."""
+import os
+import re
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.fault_helpers import ElasticAgent, wait_until, worker_tracebacks
+from tests.launch_utils import TINY, free_port, latest_checkpoint, max_abs_diff, out_args, run_training
+
+STEPS, SAVE = 200, 20
+ARGS = [*TINY, "--max_steps", str(STEPS), "--save_interval", str(SAVE), "--global_batch_size", "8",
+        "--from_resume", "1"]
+# The rendezvous timeouts the README recommends: a dead node is dropped after 3 missed
+# 1 s heartbeats, and a round closes 5 s after the fewest nodes (1) have joined.
+RDZV_CONF = "join_timeout=120,last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3"
+STEP_LINE = r"^epoch \d+/\d+ step \d+/"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The same run in one plain process, never interrupted."""
+    run = tmp_path_factory.mktemp("reference")
+    result = run_training(1, [*ARGS, *out_args(run)], run, launcher="python", timeout=480)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "accumulation=2" in result.stdout
+    return latest_checkpoint(run)
+
+
+def start_first_agent(run, port) -> ElasticAgent:
+    """The agent that hosts the rendezvous store (the first to bind the endpoint does)."""
+    agent = ElasticAgent(port, [*ARGS, *out_args(run)], run, RDZV_CONF)
+
+    def listening():
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", port)) == 0
+    wait_until(listening, 60, "rendezvous store on the endpoint", [agent])
+    return agent
+
+
+def checkpoints(run) -> set[str]:
+    folder = Path(run) / "ckpt"
+    return {n for n in os.listdir(folder) if re.fullmatch(r"pretrain_64_resume_step\d+\.pth", n)} if folder.exists() else set()
+
+
+def resumed_at(output) -> list[int]:
+    return [int(s) for s in re.findall(r"resumed from \S+ at step (\d+)/", output)]
+
+
+def test_losing_a_node_the_survivor_resumes_alone_and_matches(tmp_path, reference):
+    port = free_port()
+    survivor = start_first_agent(tmp_path, port)
+    doomed = ElasticAgent(port, [*ARGS, *out_args(tmp_path)], tmp_path, RDZV_CONF)
+    agents = [survivor, doomed]
+    wait_until(lambda: "world_size=2" in survivor.output, 120, "group of 2", agents)
+    before = checkpoints(tmp_path)
+    wait_until(lambda: checkpoints(tmp_path) - before, 120, "checkpoint by the group of 2", agents)
+    saved = max(int(re.search(r"\d+", n).group()) for n in checkpoints(tmp_path))
+    killed_at = time.monotonic()
+    doomed.kill_node()
+
+    rc = survivor.wait(timeout=480)
+    out = survivor.output
+    assert rc == 0, out[-4000:]
+    # One line about the lost peer, no stack trace.
+    lost = [line for line in out.splitlines() if "lost a peer process" in line]
+    assert len(lost) == 1 and lost[0].startswith("error: lost a peer process ("), out[-4000:]
+    assert "torchrun restarts the group" in lost[0]
+    assert not worker_tracebacks(out), worker_tracebacks(out)[0]
+    # Re-formed alone, with the accumulation re-derived, from the newest checkpoint.
+    resumed = resumed_at(out)
+    assert resumed and resumed[-1] >= saved and resumed[-1] % SAVE == 0, out[-4000:]
+    assert re.search(r"world_size=1 micro_batch=4 accumulation=2 global_batch=8", out)
+    final = latest_checkpoint(tmp_path)
+    assert final["global_step"] == STEPS and final["world_size"] == 1
+    assert max_abs_diff(final["model"], reference["model"]) < 1e-5
+
+    resumed_line = survivor.first_line_after(r"resumed from", killed_at)
+    first_step = survivor.first_line_after(STEP_LINE, resumed_line)
+    print(f"\nrecovery: node lost -> first step after resume {first_step - killed_at:.1f}s "
+          f"(rdzv_conf {RDZV_CONF})")
+
+
+def test_a_node_that_joins_later_is_taken_in_at_the_next_restart(tmp_path, reference):
+    port = free_port()
+    first = start_first_agent(tmp_path, port)
+    wait_until(lambda: re.search(r"^epoch \d+/\d+ step 3/", first.output, re.M), 120, "step 3 alone", [first])
+    assert "world_size=1 micro_batch=4 accumulation=2" in first.output
+    late = ElasticAgent(port, [*ARGS, *out_args(tmp_path)], tmp_path, RDZV_CONF)
+
+    rcs = [first.wait(timeout=480), late.wait(timeout=60)]
+    out = first.output
+    assert rcs == [0, 0], out[-4000:] + late.output[-2000:]
+    # The agent stopped its worker to take the new node in: a preemption save, then the
+    # group of 2 resumed from exactly that step.
+    saved = re.search(r"preempted: saved step (\d+)", out)
+    assert saved, out[-4000:]
+    assert resumed_at(out) == [int(saved.group(1))]
+    assert re.search(r"world_size=2 micro_batch=4 accumulation=1 global_batch=8", out)
+    assert not worker_tracebacks(out + late.output)
+    final = latest_checkpoint(tmp_path)
+    assert final["global_step"] == STEPS and final["world_size"] == 2
+    assert max_abs_diff(final["model"], reference["model"]) < 1e-5
