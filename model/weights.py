@@ -2,6 +2,10 @@
 and exported HF folders. Every file here is untrusted input: nothing is unpickled
 beyond tensors and plain containers.
 
+A weights file may have its model config beside it as JSON, `x.pth` -> `x.json` (the
+trainer writes one with every `.pth`), so that it loads without shape flags. The
+`.pth` itself stays MiniMind's plain state_dict.
+
 All of it lives here so that scripts/convert_model.py, scripts/eval_llm.py and the
 tests accept the same files and reject bad ones with the same one-line messages.
 The Qwen3 <-> MiniMind config mapping is here too, next to the checks that make
@@ -62,7 +66,7 @@ def read_checkpoint(path):
         raise WeightsError(f"{path}: not found: pass a .pth or .safetensors weights file written by the trainer "
                            f"or by scripts/convert_model.py")
     if path.suffix == ".safetensors":
-        return _strip_wrapper_prefixes(_split_fused_experts(_read_safetensors_file(path))), None
+        return _strip_wrapper_prefixes(_split_fused_experts(_read_safetensors_file(path))), read_sidecar(path)
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
@@ -76,11 +80,56 @@ def read_checkpoint(path):
     if is_resume_checkpoint(obj):
         state, stored = obj["model"], obj["model_config"]
     elif isinstance(obj, dict) and obj and all(torch.is_tensor(v) for v in obj.values()):
-        state, stored = obj, None
+        state, stored = obj, read_sidecar(path)
     else:
         raise WeightsError(f"{path}: neither a weights file (name -> tensor) nor a resume checkpoint "
                            f"(dict with 'model' and 'model_config'): pass a .pth written by the trainer")
     return _strip_wrapper_prefixes(state), stored
+
+
+def sidecar_path(weight_path):
+    """Where the model config of a weights file lives: `x.pth` -> `x.json`."""
+    return Path(weight_path).with_suffix(".json")
+
+
+def sidecar_text(config):
+    """What the trainer writes to sidecar_path: the whole config, as JSON."""
+    return json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n"
+
+
+def read_sidecar(weight_path):
+    """The MiniMindConfig stored beside a weights file, or None when there is none.
+    JSON only, and checked: the sidecar is as untrusted as the weights."""
+    path = sidecar_path(weight_path)
+    if not path.is_file():
+        return None
+    what_to_do = f"rewrite or delete it (without it, shape flags describe the weights in {Path(weight_path).name})"
+    try:
+        stored = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise WeightsError(f"{path}: the model config beside the weights is not readable JSON "
+                           f"({type(e).__name__}): {what_to_do}") from None
+    problem = _sidecar_problem(stored)
+    if problem is None:
+        try:
+            return MiniMindConfig.from_dict(stored)
+        except Exception as e:  # the config's own checks, e.g. heads that do not divide hidden_size
+            problem = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    raise WeightsError(f"{path}: not a MiniMind model config ({problem}): {what_to_do}")
+
+
+def _sidecar_problem(stored):
+    if not isinstance(stored, dict):
+        return f"a JSON {type(stored).__name__}, not an object"
+    if stored.get("model_type", MiniMindConfig.model_type) != MiniMindConfig.model_type:
+        return f"model_type {stored['model_type']!r}"
+    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size"):
+        value = stored.get(name, 1)  # absent: the config's default
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            return f"{name} is {value!r}, not a positive integer"
+    if not isinstance(stored.get("use_moe", False), bool):
+        return f"use_moe is {stored['use_moe']!r}, not true or false"
+    return None
 
 
 def _read_safetensors_file(path):
@@ -177,7 +226,7 @@ def load_model(weight_path=None, hf_dir=None, **flags):
     """(model, source) from a .pth / resume checkpoint, or from an exported HF folder.
 
     `flags` are the SHAPE_FLAGS; None means "not given". A stored config (resume
-    checkpoint, HF folder) wins and given flags must agree with it.
+    checkpoint, HF folder, the JSON beside a weights file) wins and given flags must agree with it.
     """
     if hf_dir is not None:
         state, stored = hf_to_state_dict(hf_dir)

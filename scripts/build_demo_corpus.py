@@ -211,7 +211,7 @@ def build_demo_corpus(out_path=DEFAULT_CORPUS, modules=None, jobs=2, timeout=DEF
             # map() yields in submission order, so parallelism cannot reorder docs.
             results = pool.map(lambda name: _run_worker(name, timeout), modules)
             bar = tqdm(zip(modules, results), total=len(modules), desc="stdlib docstrings",
-                       unit="mod", disable=not progress)
+                       unit="mod", disable=not (progress and sys.stderr.isatty()))  # no \r noise in log files
             for name, docs in bar:
                 if docs is None:
                     skipped.append(name)

@@ -1,11 +1,14 @@
 """Convert MiniMind weights to a Hugging Face folder, and back.
 
     # .pth (or resume checkpoint) -> folder that stock transformers loads as Qwen3 / Qwen3-MoE
-    python scripts/convert_model.py --weight_path out/pretrain_64.pth --hidden_size 64 \
-        --num_hidden_layers 2 --out_dir hf_out [--use_moe 1] [--format native|minimind]
+    python scripts/convert_model.py --weight_path out/pretrain_64.pth --out_dir hf_out [--format native|minimind]
 
-    # folder (either format) -> .pth (or .safetensors) for `--from_weight`
+    # folder (either format) -> .pth (or .safetensors) for `--from_weight`, with its config beside it
     python scripts/convert_model.py --to_pth --hf_dir hf_out --out_path out/pretrain_64.pth
+
+The model's shape comes from the config beside the weights (out/pretrain_64.json, which
+the trainer writes); shape flags (--hidden_size 64 --num_hidden_layers 2 [--use_moe 1])
+are needed only for a .pth without one, such as MiniMind's own.
 
 --format native writes a transformers Qwen3 (dense) or Qwen3-MoE config plus model.safetensors
 under the same tensor names as ours: `AutoModelForCausalLM.from_pretrained(dir)` needs no
@@ -31,8 +34,9 @@ from transformers.utils import logging as hf_logging
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import (  # noqa: F401  (load_weights, hf_to_state_dict: re-exported for callers)
     SHAPE_FLAGS, WeightsError, build_model, config_flags, default_weight_path, flag_default, format_flags,
-    hf_to_state_dict, load_model, load_weights, qwen3_config_from_minimind,
+    hf_to_state_dict, load_model, load_weights, qwen3_config_from_minimind, sidecar_path, sidecar_text,
 )
+from trainer.checkpoint import _atomic_write_text
 from trainer.cli import OneLineArgumentParser
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -152,7 +156,7 @@ def parse_args(argv=None):
     p.add_argument("--atol", type=float, default=1e-4, help="largest logit difference the verification accepts")
     for name in SHAPE_FLAGS:
         p.add_argument(f"--{name}", type=int, default=None,
-                       help=f"model shape (default {flag_default(name)}; a resume checkpoint's config wins)")
+                       help=f"model shape (default {flag_default(name)}; a stored config wins)")
     p.add_argument("--to_pth", action="store_true", help="convert --hf_dir back to a .pth at --out_path")
     p.add_argument("--hf_dir", help="with --to_pth: the folder to convert")
     p.add_argument("--out_path", help="with --to_pth: the .pth to write")
@@ -172,7 +176,8 @@ def to_pth(args):
     state, config = hf_to_state_dict(args.hf_dir)
     model = build_model(state, config, args.hf_dir)  # checks every name and shape
     save_pth(model.state_dict(), args.out_path)
-    print(f"wrote {args.out_path} ({len(state)} tensors, fp16)")
+    _atomic_write_text(sidecar_path(args.out_path), sidecar_text(config))  # so loading it needs no flags
+    print(f"wrote {args.out_path} ({len(state)} tensors, fp16) and its config {sidecar_path(args.out_path)}")
     print(f"its model flags: {format_flags(config_flags(config))}")
 
 

@@ -5,9 +5,11 @@
     python scripts/eval_llm.py --hf_dir hf_out --prompt "..." --prompt "..." --greedy
     python scripts/eval_llm.py --weight_path checkpoints/pretrain_512_resume.pth --ppl_data val.jsonl
 
-The weights may be a .pth (flags describe the model), a resume checkpoint or a folder
-written by convert_model.py (their stored config wins). A pretrained model continues
-text, so a prompt is fed as BOS + prompt, the same layout as the training samples.
+The weights may be a .pth or .safetensors (the config beside it, x.pth -> x.json, which the
+trainer writes, describes the model; without one, the shape flags do), a resume checkpoint
+or a folder written by convert_model.py (a stored config wins; flags passed must agree).
+A pretrained model continues text, so a prompt is fed as BOS + prompt, the same layout
+as the training samples.
 """
 import math
 import sys

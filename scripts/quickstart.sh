@@ -59,7 +59,7 @@ PTH="$OUT/$PREFIX.pth"
 METRICS="$OUT/${PREFIX}_metrics.jsonl"
 PLOT="$OUT/loss.png"
 HF_DIR="$OUT/hf"
-SHAPE=(--hidden_size "$HIDDEN" --num_hidden_layers "$LAYERS")  # a .pth stores no config
+SHAPE=(--hidden_size "$HIDDEN" --num_hidden_layers "$LAYERS")  # eval and export read them from $OUT/$PREFIX.json
 mkdir -p "$DATA" "$LOGS"
 
 stage() { printf '\n==== [%s] %s  (t=%ss)\n' "$1" "$2" "$SECONDS"; }
@@ -107,18 +107,18 @@ OMP_NUM_THREADS=1 "$TORCHRUN" "${RDZV[@]}" --nproc_per_node="$NPROC" trainer/tra
 
 stage 4/7 "validation perplexity (held-out documents, one at a time from BOS)"
 # --max_seq_len $SEQ: score documents at the context length the model was trained on.
-"$PYTHON" scripts/eval_llm.py --weight_path "$PTH" "${SHAPE[@]}" --device cpu \
+"$PYTHON" scripts/eval_llm.py --weight_path "$PTH" --device cpu \
     --ppl_data "$DATA/val.jsonl" --max_seq_len "$SEQ" | tee "$LOGS/ppl.txt"
 
 stage 5/7 "sample (temperature 0.85, top-p 0.85, seed 42)"
-"$PYTHON" scripts/eval_llm.py --weight_path "$PTH" "${SHAPE[@]}" --device cpu \
+"$PYTHON" scripts/eval_llm.py --weight_path "$PTH" --device cpu \
     --prompt "$PROMPT" --max_new_tokens "$MAX_NEW_TOKENS" | tee "$LOGS/sample.txt"
 
 stage 6/7 "loss plot"
 "$PYTHON" scripts/plot_loss.py --metrics "$METRICS" --out "$PLOT"
 
 stage 7/7 "export to Hugging Face format (stock transformers, no trust_remote_code)"
-"$PYTHON" scripts/convert_model.py --weight_path "$PTH" "${SHAPE[@]}" --format native --out_dir "$HF_DIR"
+"$PYTHON" scripts/convert_model.py --weight_path "$PTH" --format native --out_dir "$HF_DIR"
 # The proof: a plain from_pretrained, as any transformers user would call it.
 "$PYTHON" -c 'import sys; from transformers import AutoModelForCausalLM
 from transformers.utils import logging; logging.disable_progress_bar()

@@ -1,5 +1,7 @@
 """Smoke tests for scripts/build_demo_corpus.py on a handful of modules."""
+import io
 import json
+import sys
 from pathlib import Path
 
 from scripts.build_demo_corpus import build_demo_corpus, clean_doc, ensure_demo_corpus, main
@@ -64,3 +66,19 @@ def test_import_that_times_out_is_skipped(tmp_path):
     # No child can start and import json within a millisecond.
     summary = build_demo_corpus(tmp_path / "t.jsonl", modules=["json"], timeout=0.001, progress=False)
     assert summary["skipped"] == ["json"] and summary["documents"] == 0
+
+
+def test_progress_bar_only_on_a_terminal(tmp_path, monkeypatch, capsys):
+    # Under pytest stderr is a capture, as it is a file when the output is redirected:
+    # no bar, so no \r updates in the log.
+    build_demo_corpus(tmp_path / "a.jsonl", modules=["json"], timeout=0.001)
+    assert capsys.readouterr().err == ""
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    build_demo_corpus(tmp_path / "b.jsonl", modules=["json"], timeout=0.001)
+    assert "stdlib docstrings" in terminal.getvalue()

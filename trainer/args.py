@@ -81,8 +81,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Model flags that the config stored beside --from_weight decides when they are not typed.
+MODEL_FLAGS = ("hidden_size", "num_hidden_layers", "use_moe", "vocab_size")
+
+
 def parse_args(argv=None):
-    return build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # Parsed once more without their defaults, to tell a typed --hidden_size 512 from the default:
+    # model_flags maps each of MODEL_FLAGS to its typed value, or None.
+    parser.set_defaults(**dict.fromkeys(MODEL_FLAGS))
+    typed = parser.parse_args(argv)
+    return argparse.Namespace(**vars(args), model_flags={name: getattr(typed, name) for name in MODEL_FLAGS})
 
 
 # Integer flags and their smallest allowed value.

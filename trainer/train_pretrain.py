@@ -23,10 +23,11 @@ from dataset.lm_dataset import DataError, load_tokenizer  # noqa: E402
 from dataset.packed_dataset import document_causal_mask  # noqa: E402
 from dataset.token_bytes import bits_per_byte, target_bytes, token_byte_lengths  # noqa: E402
 from model.model_minimind import count_parameters  # noqa: E402
+from model.weights import sidecar_path, sidecar_text  # noqa: E402
 from trainer.args import DEMO_CORPUS, check_args, parse_args  # noqa: E402
 from trainer.checkpoint import (  # noqa: E402
-    atomic_torch_save, load_latest_checkpoint, restore_model_and_optimizer, restore_rng_state, run_prefix,
-    save_checkpoint,
+    _atomic_write_text, atomic_torch_save, load_latest_checkpoint, restore_model_and_optimizer, restore_rng_state,
+    run_prefix, save_checkpoint,
 )
 from trainer.data import (  # noqa: E402
     ResumableDistributedSampler, build_data, make_train_loader, make_val_loader, plan_steps, resume_step, to_targets,
@@ -74,12 +75,14 @@ def configure_cuda(device: str, dtype: torch.dtype):
 
 def save_weights(model, args, prefix):
     """The seed's inference format: a half-precision state_dict, written atomically by rank 0
-    (every rank takes part in gathering it when the model is sharded)."""
+    (every rank takes part in gathering it when the model is sharded), with the model config
+    beside it as {prefix}.json so that the scripts need no shape flags."""
     weights = full_state_dict(model)
     if is_main_process():
         os.makedirs(args.save_dir, exist_ok=True)
         path = os.path.join(args.save_dir, f"{prefix}.pth")
         atomic_torch_save({k: v.half() for k, v in weights.items()}, path)
+        _atomic_write_text(sidecar_path(path), sidecar_text(model.config))
 
 
 @torch.no_grad()
@@ -189,7 +192,7 @@ def train(args, env) -> int:
     scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
 
     # ------------------------------------------------------------------ 4. resume
-    prefix = run_prefix(args.save_weight, args.hidden_size, bool(args.use_moe))
+    prefix = run_prefix(args.save_weight, config.hidden_size, config.use_moe)
     start_step, tokens_seen, wandb_id = 0, 0, None
     resumed = resume(args, prefix, config, model, optimizer, scaler, plan, env) if args.from_resume else None
     if resumed:

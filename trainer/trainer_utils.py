@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM, count_parameters
-from model.weights import WeightsError, build_model, load_weights
+from model.weights import WeightsError, build_model, load_weights, read_sidecar, resolve_config
 
 
 class UserError(Exception):
@@ -232,6 +232,17 @@ def setup_seed(seed: int):
 
 # ---------------------------------------------------------------------------- model
 def model_config_from_args(args, vocab_size: int) -> MiniMindConfig:
+    """The model the flags describe, or the config stored beside --from_weight (x.pth -> x.json),
+    which decides the shape flags not typed; typed ones must agree with it."""
+    if args.from_weight:
+        try:
+            stored = read_sidecar(args.from_weight)
+            if stored is not None:
+                config = resolve_config(stored, args.model_flags, f"--from_weight {args.from_weight}")
+                config.flash_attn = True
+                return config
+        except WeightsError as exc:
+            raise UserError(str(exc)) from None
     return MiniMindConfig(
         hidden_size=args.hidden_size,
         num_hidden_layers=args.num_hidden_layers,
