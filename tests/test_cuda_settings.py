@@ -1,12 +1,10 @@
-"""Per-process CUDA settings and the older-torch check, without a GPU: the calls the
-trainer makes are recorded instead of reaching CUDA."""
+"""Per-process CUDA settings, without a GPU (the calls the trainer makes are recorded
+instead of reaching CUDA), and DDP's arguments on an older torch."""
 import pytest
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
-from trainer.parallel import require_kwargs
+from trainer.parallel import no_buffer_sync
 from trainer.train_pretrain import configure_cuda
-from trainer.trainer_utils import UserError
 
 
 @pytest.fixture
@@ -34,10 +32,11 @@ def test_other_runs_keep_full_fp32_matmuls(cuda_calls, device, dtype, current):
     assert torch.get_float32_matmul_precision() == "highest"
 
 
-def test_an_argument_this_torch_lacks_is_one_line_naming_it_and_the_fix():
-    require_kwargs(DistributedDataParallel, ["forward_sync_buffers"], since="2.13")  # the pinned torch has it
-    with pytest.raises(UserError) as error:
-        require_kwargs(DistributedDataParallel, ["sync_everything_twice"], since="9.0")
-    message = str(error.value)
-    assert "\n" not in message
-    assert "DistributedDataParallel(sync_everything_twice=...)" in message and "pip install -r requirements.txt" in message
+def test_ddp_buffer_sync_is_off_with_the_argument_this_torch_has():
+    assert no_buffer_sync() == {"forward_sync_buffers": False}  # the pinned torch 2.13
+
+    class OlderDDP:  # DistributedDataParallel's signature before torch 2.13
+        def __init__(self, module, device_ids=None, broadcast_buffers=True, init_sync=True):
+            pass
+
+    assert no_buffer_sync(OlderDDP) == {"broadcast_buffers": False}

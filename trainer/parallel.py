@@ -9,8 +9,6 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from trainer.trainer_utils import UserError
-
 
 def wrap_model(model, args, env):
     """Returns the module the loop calls. With DDP `model` stays the plain
@@ -21,24 +19,23 @@ def wrap_model(model, args, env):
     if args.parallel == "fsdp":
         return shard_model(model, args, env)
     # device_ids only on CUDA: with gloo on CPU there is no device to pin.
-    # The only buffers are the RoPE tables, identical on every rank; re-broadcasting
-    # them before every forward would cost a copy of each per step.
     device_ids = [env.local_rank] if env.device.startswith("cuda") else None
-    require_kwargs(DistributedDataParallel, ["forward_sync_buffers"], since="2.13")
-    net = DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False)
+    net = DistributedDataParallel(model, device_ids=device_ids, **no_buffer_sync())
     # Compiled after wrapping, dynamo's DDP optimizer cuts the graph at DDP's bucket
     # boundaries, so each bucket's all-reduce overlaps the rest of the backward; a model
     # compiled first would run its whole backward as one node, and all-reduce only after it.
     return torch.compile(net) if args.use_compile else net
 
 
-def require_kwargs(fn, names, since: str):
-    """One line, instead of a TypeError on every rank, when this torch predates an argument we pass."""
-    accepted = inspect.signature(fn).parameters
-    missing = [name for name in names if name not in accepted]
-    if missing:
-        raise UserError(f"torch {torch.__version__} has no {fn.__name__}({missing[0]}=...) (new in torch {since}); "
-                        f"install the pinned versions: pip install -r requirements.txt")
+def no_buffer_sync(ddp_class=DistributedDataParallel) -> dict:
+    """DDP's argument that stops the buffer broadcast before every forward. The only
+    buffers are the RoPE tables, identical on every rank; re-broadcasting them would cost
+    a copy of each per step. torch 2.13 renamed broadcast_buffers to forward_sync_buffers
+    (the old name also skips buffers in the initial sync, harmless for identical tables);
+    older torch, such as a GPU image's, only knows the old name."""
+    if "forward_sync_buffers" in inspect.signature(ddp_class).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
 
 
 def shard_model(model, args, env):

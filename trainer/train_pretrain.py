@@ -377,7 +377,7 @@ class StepTotals:
     saves anyway, so that ordinary steps stay free of device-to-host reads."""
 
     def __init__(self, device):
-        self.window = torch.zeros(3, dtype=torch.float64, device=device)  # StepResult.stats, updates made
+        self.window = torch.zeros(3, dtype=torch.float64, device=device)  # StepResult.stats summed over updates
         self.updates = 0
         self.tokens = torch.zeros((), dtype=torch.float64, device=device)  # every step's, since the last read
 
