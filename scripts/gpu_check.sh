@@ -9,11 +9,11 @@
 #    kernels the profiler sees when SDPA chooses by itself;
 # 3. the demo corpus and its packed .bin, built here (scripts/build_demo_corpus.py, prepare_data.py);
 # 4. the 64M model (hidden 768, 8 layers) at seq 1024 in bf16, one trainer run per variant
-#    through scripts/bench_pretrain.py: packed eager, compiled, doc_mask, torchrun
-#    --nproc_per_node=1 (NCCL), FSDP under torchrun (1 GPU), padded JSONL; one table row each
-#    (tokens/s, MFU and peak memory from the trainer's metrics jsonl), printed at the end;
+#    through scripts/bench_pretrain.py: packed eager (b), compiled (c), doc_mask (f), torchrun
+#    --nproc_per_node=1 on NCCL (d), FSDP under torchrun on 1 GPU (g), padded JSONL (a); one
+#    table row each (tokens/s, MFU and peak memory from the trainer's metrics jsonl), at the end;
 # 5. the --doc_mask kernels: scripts/bench_attention.py --device cuda (dense mask vs
-#    FlexAttention, forward+backward, and their outputs and gradients compared).
+#    FlexAttention, forward+backward, and their outputs and gradients compared), run before (a).
 # A part that fails prints FAILED and the end of its log, and the rest still runs. Every part
 # gets at most what is left of the budget (GPU_CHECK_BUDGET seconds, default 450), and each
 # training variant at most GPU_CHECK_VARIANT_LIMIT seconds (default 150, compilation included).
@@ -22,9 +22,10 @@
 # (no network, no pip, no wandb): the demo corpus and its packed .bin are built here.
 # Environment: PYTHON (default python3); GPU_CHECK_DEVICE=cpu with small GPU_CHECK_HIDDEN,
 # GPU_CHECK_LAYERS, GPU_CHECK_SEQ, GPU_CHECK_BATCH, GPU_CHECK_STEPS, GPU_CHECK_WARMUP runs the
-# same plumbing on a CPU machine. What a CPU run cannot check: the flash kernel (part 2 is
-# skipped), FlexAttention's backward (it has none on CPU), NCCL, bf16 tensor-core speed, MFU
-# (no peak on CPU) and peak GPU memory.
+# same plumbing on a CPU machine; GPU_CHECK_PLAN picks the parts (e.g. "b kernels").
+# What a CPU run cannot check: the flash kernel (part 2 is skipped), FlexAttention's backward
+# (none on CPU) and its CUDA kernels, NCCL, bf16 tensor-core speed, MFU (no peak on CPU), peak
+# GPU memory, and whether the compile of (c) fits its limit on the GPU machine.
 set -u
 cd "$(dirname "$0")/.."
 
@@ -37,7 +38,10 @@ BATCH=${GPU_CHECK_BATCH:-32}
 STEPS=${GPU_CHECK_STEPS:-30}
 WARMUP=${GPU_CHECK_WARMUP:-10}
 BUDGET=${GPU_CHECK_BUDGET:-450}
-VARIANTS=${GPU_CHECK_VARIANTS:-bcfdga}   # most wanted first: the budget may run out at the end
+# What runs, in order, most wanted first (the budget may run out at the end): bench_pretrain.py's
+# variant letters, and "kernels" for part 5.
+PLAN=${GPU_CHECK_PLAN:-b c f d g kernels a}
+VARIANT_LIMIT=${GPU_CHECK_VARIANT_LIMIT:-150}
 RESERVE=15                               # seconds kept for the final table
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
@@ -135,35 +139,45 @@ if [[ -s dataset/demo_pretrain.jsonl && ! -s dataset/demo_pretrain.bin ]]; then
 fi
 
 # ---------------------------------------------------------------- 4. the 64M model, one run per variant
-if [[ -s dataset/demo_pretrain.jsonl && -s dataset/demo_pretrain.bin ]]; then
-    for (( i = 0; i < ${#VARIANTS}; i++ )); do
-        key=${VARIANTS:i:1}
-        limit=$(left)
-        (( limit > ${GPU_CHECK_VARIANT_LIMIT:-150} )) && limit=${GPU_CHECK_VARIANT_LIMIT:-150}
-        if (( limit < 45 )); then say "[variant_$key] SKIPPED: out of time (${SECONDS}s of ${BUDGET}s used)"; continue; fi
-        # bench_pretrain stops a run at --timeout itself (SIGTERM to torchrun, which passes it on),
-        # well inside run's own limit (and stops it on SIGTERM), so no trainer keeps the GPU.
-        QUIET=1 run "variant_$key" "$limit" "$PYTHON" scripts/bench_pretrain.py --device "$DEVICE" --variants "$key" \
-            --nproc 1 --rounds 1 --steps "$STEPS" --warmup "$WARMUP" --hidden_size "$HIDDEN" \
-            --num_hidden_layers "$LAYERS" --max_seq_len "$SEQ" --batch_size "$BATCH" --dtype bfloat16 \
-            --timeout "$((limit - 40))" --out "$WORK/variant_$key.json" --keep_logs "$LOGS"
-    done
-else
-    say "[variants] SKIPPED: no demo corpus (see corpus / pack above)"
-fi
+variant() {
+    local key=$1 limit
+    limit=$(left)
+    (( limit > VARIANT_LIMIT )) && limit=$VARIANT_LIMIT
+    if (( limit < 45 )); then say "[variant_$key] SKIPPED: out of time (${SECONDS}s of ${BUDGET}s used)"; return; fi
+    # bench_pretrain stops a run at --timeout itself (SIGTERM to torchrun, which passes it on),
+    # well inside run's own limit (and stops it on SIGTERM), so no trainer keeps the GPU.
+    QUIET=1 run "variant_$key" "$limit" "$PYTHON" scripts/bench_pretrain.py --device "$DEVICE" --variants "$key" \
+        --nproc 1 --rounds 1 --steps "$STEPS" --warmup "$WARMUP" --hidden_size "$HIDDEN" \
+        --num_hidden_layers "$LAYERS" --max_seq_len "$SEQ" --batch_size "$BATCH" --dtype bfloat16 \
+        --timeout "$((limit - 50))" --out "$WORK/variant_$key.json" --keep_logs "$LOGS"
+}
 
 # ---------------------------------------------------------------- 5. dense mask vs FlexAttention
-run doc_mask_kernels 120 "$PYTHON" scripts/bench_attention.py --device "$DEVICE" --hidden_sizes "$HIDDEN" \
-    --seq_lens "$SEQ" --batch_size "$BATCH" --repeats 10
+doc_mask_kernels() {
+    run doc_mask_kernels 120 "$PYTHON" scripts/bench_attention.py --device "$DEVICE" --hidden_sizes "$HIDDEN" \
+        --seq_lens "$SEQ" --batch_size "$BATCH" --repeats 10
+}
+
+have_data=0
+[[ -s dataset/demo_pretrain.jsonl && -s dataset/demo_pretrain.bin ]] && have_data=1
+for step in $PLAN; do
+    if [[ $step == kernels ]]; then
+        doc_mask_kernels
+    elif (( have_data )); then
+        variant "$step"
+    else
+        say "[variant_$step] SKIPPED: no demo corpus (see corpus / pack above)"
+    fi
+done
 
 # ---------------------------------------------------------------- the table
 say ""
 say "== the 64M-class model: hidden $HIDDEN, $LAYERS layers, seq $SEQ, batch $BATCH, bf16, $STEPS timed steps after $WARMUP"
-RESERVE=0 run table 15 "$PYTHON" - "$WORK" "$VARIANTS" <<'EOF'
+RESERVE=0 run table 15 "$PYTHON" - "$WORK" $PLAN <<'EOF'
 import json, sys
 from pathlib import Path
 
-work, keys = Path(sys.argv[1]), sys.argv[2]
+work, keys = Path(sys.argv[1]), [key for key in sys.argv[2:] if key != "kernels"]
 print(f"{'variant':<30}{'tokens/s':>12}{'s/step':>9}{'MFU':>8}{'peak mem':>14}")
 for key in keys:
     path = work / f"variant_{key}.json"
