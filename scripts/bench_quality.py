@@ -56,7 +56,7 @@ def parse_args(argv=None):
     p.add_argument("--out_dir", default=str(REPO_ROOT / "out" / "bench_quality"))
     p.add_argument("--plot", default=None, help="PNG path (default: OUT_DIR/val_loss_vs_time.png)")
     p.add_argument("--reuse", type=int, default=0, choices=[0, 1],
-                   help="1: keep a variant's finished run from OUT_DIR instead of training it again")
+                   help="1: report a variant's run already in OUT_DIR (finished or stopped early) instead of training it")
     args = p.parse_args(argv)
     unknown = set(args.variants.split(",")) - set(VARIANTS)
     if unknown:
@@ -91,8 +91,8 @@ def train(name, args, data: Path, out: Path) -> list[dict]:
     kind, flags = VARIANTS[name]
     run_dir = out / name
     metrics = run_dir / f"bench_{args.hidden_size}_metrics.jsonl"
-    if args.reuse and metrics.exists() and (val := read_val(metrics)) and val[-1]["step"] == args.steps:
-        print(f"[{name}] reusing {metrics}: final val_loss {val[-1]['val_loss']:.4f}", flush=True)
+    if args.reuse and metrics.exists() and (val := read_val(metrics)):
+        print(f"[{name}] reusing {metrics}: {val[-1]['step']} steps, last val_loss {val[-1]['val_loss']:.4f}", flush=True)
         return val
     cmd = [sys.executable, "trainer/train_pretrain.py", "--data_path", str(data / f"train.{kind}"),
            "--val_data_path", str(data / "val.bin"), "--hidden_size", str(args.hidden_size),
@@ -143,15 +143,15 @@ def report(curves: dict, args) -> list[str]:
     lines = [f"bench_quality: hidden {args.hidden_size} x {args.num_hidden_layers} layers, seq {args.max_seq_len}, "
              f"batch {args.batch_size}, {args.steps} steps per variant, {args.threads} threads, val every "
              f"{args.eval_every} steps on the held-out val.bin; (a)'s final val loss {target:.4f} at {t_ref:.0f} s", "",
-             "| variant | s/step | final val loss | final bits/byte | time to (a)'s final loss | vs (a) "
+             "| variant | steps run | s/step | last val loss | last bits/byte | time to (a)'s final loss | vs (a) "
              "| steps to it | vs (a) | bits/byte at (a)'s time | vs (a) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, val in curves.items():
         t, steps = first_reach(val, target, "train_s"), first_reach(val, target, "step")
         bpb = at_time(val, t_ref, "val_bpb")
         reach = f"{t:.0f} s | 1/{t_ref / t:.1f}" if t else "not reached | -"
         reach_steps = f"{steps:.0f} | 1/{args.steps / steps:.1f}" if steps else "- | -"
-        lines.append(f"| {name} | {val[-1]['train_s'] / val[-1]['step']:.2f} | {val[-1]['val_loss']:.4f} | "
+        lines.append(f"| {name} | {val[-1]['step']} | {val[-1]['train_s'] / val[-1]['step']:.2f} | {val[-1]['val_loss']:.4f} | "
                      f"{val[-1]['val_bpb']:.4f} | {reach} | {reach_steps} | {bpb:.4f} | {(bpb / bpb_ref - 1) * 100:+.1f}% |")
     return lines
 
@@ -185,6 +185,7 @@ def main(argv=None):
     (out / "results.md").write_text("\n".join(lines) + "\n")
     (out / "results.json").write_text(json.dumps(curves, indent=1))
     png = Path(args.plot) if args.plot else out / "val_loss_vs_time.png"
+    png.parent.mkdir(parents=True, exist_ok=True)
     plot(curves, png, f"demo corpus, hidden {args.hidden_size} x {args.num_hidden_layers}, {args.threads} CPU threads")
     print(f"plot: {png}")
 
