@@ -20,7 +20,6 @@ to (a)'s, and its bits per byte at (a)'s time; writes the table, the raw rows (J
 and a plot (val loss against seconds). On a shared machine seconds are noisy (s/step
 shows the load each variant met); steps are not.
 """
-import argparse
 import json
 import os
 import subprocess
