@@ -14,11 +14,12 @@ share one yardstick. The clock is the trainer's training time (validation exclud
     c_adamw      packed .bin, AdamW with split groups, lr 3e-3, 10 warmup steps: what Muon adds
     d_bf16       b_defaults under bf16 autocast: does bf16 cost quality at equal steps?
 
-Reports, for each variant, the training time at which it first validates at or below
-(a)'s final val loss and the ratio to (a)'s time, and its bits per byte at (a)'s
-time; writes the table, the raw rows (JSON) and a plot (val loss against seconds).
+Reports, for each variant, the training time (and the step) at which its val curve
+first falls to (a)'s final val loss (interpolated between validations) and the ratio
+to (a)'s, and its bits per byte at (a)'s time; writes the table, the raw rows (JSON)
+and a plot (val loss against seconds). On a shared machine seconds are noisy (s/step
+shows the load each variant met); steps are not.
 """
-import argparse
 import json
 import os
 import subprocess
@@ -53,6 +54,8 @@ def parse_args(argv=None):
     p.add_argument("--corpus", default=str(REPO_ROOT / "dataset" / "demo_pretrain.jsonl"))
     p.add_argument("--out_dir", default=str(REPO_ROOT / "out" / "bench_quality"))
     p.add_argument("--plot", default=None, help="PNG path (default: OUT_DIR/val_loss_vs_time.png)")
+    p.add_argument("--reuse", type=int, default=0, choices=[0, 1],
+                   help="1: report a variant's run already in OUT_DIR (finished or stopped early) instead of training it")
     args = p.parse_args(argv)
     unknown = set(args.variants.split(",")) - set(VARIANTS)
     if unknown:
@@ -77,9 +80,19 @@ def prepare_data(corpus: Path, data: Path) -> Path:
     return data
 
 
+def read_val(metrics: Path) -> list[dict]:
+    with open(metrics) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [r for r in rows if r["kind"] == "val"]
+
+
 def train(name, args, data: Path, out: Path) -> list[dict]:
     kind, flags = VARIANTS[name]
     run_dir = out / name
+    metrics = run_dir / f"bench_{args.hidden_size}_metrics.jsonl"
+    if args.reuse and metrics.exists() and (val := read_val(metrics)):
+        print(f"[{name}] reusing {metrics}: {val[-1]['step']} steps, last val_loss {val[-1]['val_loss']:.4f}", flush=True)
+        return val
     cmd = [sys.executable, "trainer/train_pretrain.py", "--data_path", str(data / f"train.{kind}"),
            "--val_data_path", str(data / "val.bin"), "--hidden_size", str(args.hidden_size),
            "--num_hidden_layers", str(args.num_hidden_layers), "--max_seq_len", str(args.max_seq_len),
@@ -94,18 +107,23 @@ def train(name, args, data: Path, out: Path) -> list[dict]:
         result = subprocess.run(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     if result.returncode != 0:
         sys.exit(f"error: variant {name} failed (rc {result.returncode}); see {out / f'{name}.log'}")
-    with open(run_dir / f"bench_{args.hidden_size}_metrics.jsonl") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    val = [r for r in rows if r["kind"] == "val"]
+    val = read_val(metrics)
     print(f"[{name}] {len(val)} val points, final val_loss {val[-1]['val_loss']:.4f}, "
           f"{val[-1]['train_s']:.0f} s training ({time.time() - started:.0f} s with start-up and validation)",
           flush=True)
     return val
 
 
-def time_to_loss(val: list[dict], target: float) -> float | None:
-    """Training seconds at the first validation at or below `target`."""
-    return next((r["train_s"] for r in val if r["val_loss"] <= target), None)
+def first_reach(val: list[dict], target: float, key: str) -> float | None:
+    """`key` (train_s or step) where the val curve first falls to `target`, linearly
+    interpolated between the two validations around the crossing."""
+    for prev, row in zip([None] + val, val):
+        if row["val_loss"] <= target:
+            if prev is None:
+                return row[key]
+            frac = (prev["val_loss"] - target) / (prev["val_loss"] - row["val_loss"])
+            return prev[key] + frac * (row[key] - prev[key])
+    return None
 
 
 def at_time(val: list[dict], seconds: float, key: str) -> float:
@@ -124,15 +142,16 @@ def report(curves: dict, args) -> list[str]:
     lines = [f"bench_quality: hidden {args.hidden_size} x {args.num_hidden_layers} layers, seq {args.max_seq_len}, "
              f"batch {args.batch_size}, {args.steps} steps per variant, {args.threads} threads, val every "
              f"{args.eval_every} steps on the held-out val.bin; (a)'s final val loss {target:.4f} at {t_ref:.0f} s", "",
-             "| variant | final val loss | final bits/byte | time to (a)'s final loss | vs (a) | bits/byte at (a)'s time | vs (a) |",
-             "|---|---|---|---|---|---|---|"]
+             "| variant | steps run | s/step | last val loss | last bits/byte | time to (a)'s final loss | vs (a) "
+             "| steps to it | vs (a) | bits/byte at (a)'s time | vs (a) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, val in curves.items():
-        t = time_to_loss(val, target)
+        t, steps = first_reach(val, target, "train_s"), first_reach(val, target, "step")
         bpb = at_time(val, t_ref, "val_bpb")
-        reach = f"{t:.0f} s" if t is not None else "not reached"
-        ratio = f"1/{t_ref / t:.1f}" if t else "-"
-        lines.append(f"| {name} | {val[-1]['val_loss']:.4f} | {val[-1]['val_bpb']:.4f} | {reach} | {ratio} | "
-                     f"{bpb:.4f} | {(bpb / bpb_ref - 1) * 100:+.1f}% |")
+        reach = f"{t:.0f} s | 1/{t_ref / t:.1f}" if t else "not reached | -"
+        reach_steps = f"{steps:.0f} | 1/{args.steps / steps:.1f}" if steps else "- | -"
+        lines.append(f"| {name} | {val[-1]['step']} | {val[-1]['train_s'] / val[-1]['step']:.2f} | {val[-1]['val_loss']:.4f} | "
+                     f"{val[-1]['val_bpb']:.4f} | {reach} | {reach_steps} | {bpb:.4f} | {(bpb / bpb_ref - 1) * 100:+.1f}% |")
     return lines
 
 
@@ -165,6 +184,7 @@ def main(argv=None):
     (out / "results.md").write_text("\n".join(lines) + "\n")
     (out / "results.json").write_text(json.dumps(curves, indent=1))
     png = Path(args.plot) if args.plot else out / "val_loss_vs_time.png"
+    png.parent.mkdir(parents=True, exist_ok=True)
     plot(curves, png, f"demo corpus, hidden {args.hidden_size} x {args.num_hidden_layers}, {args.threads} CPU threads")
     print(f"plot: {png}")
 
