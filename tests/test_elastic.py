@@ -61,7 +61,7 @@ def test_losing_a_node_the_survivor_resumes_alone_and_matches(tmp_path, referenc
     wait_until(lambda: "world_size=2" in survivor.output, 120, "group of 2", agents)
     before = checkpoints(tmp_path)
     wait_until(lambda: checkpoints(tmp_path) - before, 120, "checkpoint by the group of 2", agents)
-    saved = max(int(re.search(r"\d+", n).group()) for n in checkpoints(tmp_path))
+    saved = max(int(re.search(r"step(\d+)", n).group(1)) for n in checkpoints(tmp_path))
     killed_at = time.monotonic()
     doomed.kill_node()
 
