@@ -107,3 +107,46 @@ def test_a_node_that_joins_later_is_taken_in_at_the_next_restart(tmp_path, refer
     final = latest_checkpoint(tmp_path)
     assert final["global_step"] == STEPS and final["world_size"] == 2
     assert max_abs_diff(final["model"], reference["model"]) < 1e-5
+
+
+# ---------------------------------------------------------------------------- in-process units
+def test_peer_lost_recognises_gloo_and_distributed_errors_only():
+    import torch.distributed as dist
+
+    from trainer.trainer_utils import peer_lost
+
+    gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+                        "[127.0.0.1]:5863: Connection reset by peer. This is typically caused by ...")
+    assert peer_lost(gloo)
+    assert peer_lost(dist.DistBackendError("NCCL communicator was aborted"))
+    assert peer_lost(dist.DistNetworkError("connection refused"))
+    assert not peer_lost(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not peer_lost(ValueError("gloo"))
+
+
+def test_a_new_group_ignores_the_store_address_a_dead_group_left():
+    """The agent's store still holds the address rank 0 of the previous group posted;
+    nothing answers there any more. Rank 1 must wait for the new one, not use the old."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from trainer.trainer_utils import group_store
+
+    timeout = timedelta(seconds=30)
+    agent = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timeout, wait_for_workers=False)
+    with socket.socket() as dead:  # a port that was free a moment ago and is closed now
+        dead.bind(("127.0.0.1", 0))
+        dead_port = dead.getsockname()[1]
+    agent.set("minimind/group_store", f"{dead_port} old-nonce")
+
+    stores = {}
+    rank1 = threading.Thread(target=lambda: stores.update({1: group_store(agent, "127.0.0.1", 1, timeout)}))
+    rank1.start()
+    time.sleep(1.0)  # rank 1 reads the stale address first
+    stores[0] = group_store(agent, "127.0.0.1", 0, timeout)
+    rank1.join(timeout=30)
+    assert 1 in stores, "rank 1 never found the new group's store"
+    stores[0].set("hello", "from rank 0")
+    assert stores[1].get("hello") == b"from rank 0"
