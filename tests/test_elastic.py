@@ -5,6 +5,7 @@ the next restart. Either way the weights end where an uninterrupted single-proce
 ends, since --global_batch_size fixes the batch and the sample order at any world size."""
 import os
 import re
+import signal
 import socket
 import time
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 from tests.fault_helpers import ElasticAgent, wait_until, worker_tracebacks
 from tests.launch_utils import TINY, free_port, latest_checkpoint, max_abs_diff, out_args, run_training
 
-STEPS, SAVE = 200, 20
+STEPS, SAVE = 100, 10
 ARGS = [*TINY, "--max_steps", str(STEPS), "--save_interval", str(SAVE), "--global_batch_size", "8",
         "--from_resume", "1"]
 # The rendezvous timeouts the README recommends: a dead node is dropped after 3 missed
@@ -92,7 +93,13 @@ def test_a_node_that_joins_later_is_taken_in_at_the_next_restart(tmp_path, refer
     first = start_first_agent(tmp_path, port)
     wait_until(lambda: re.search(r"^epoch \d+/\d+ step 3/", first.output, re.M), 120, "step 3 alone", [first])
     assert "world_size=1 micro_batch=4 accumulation=2" in first.output
+    # Hold the lone worker still (as a slow one would be) so it cannot finish before the
+    # new node is in; its agent stays awake and sees the newcomer.
+    worker = first.worker_pids()[0]
+    os.kill(worker, signal.SIGSTOP)
     late = ElasticAgent(port, [*ARGS, *out_args(tmp_path)], tmp_path, RDZV_CONF)
+    wait_until(lambda: "closing signal SIGTERM" in first.output, 120, "restart for the new node", [first, late])
+    os.kill(worker, signal.SIGCONT)
 
     rcs = [first.wait(timeout=480), late.wait(timeout=60)]
     out = first.output
