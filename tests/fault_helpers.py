@@ -128,6 +128,14 @@ class ElasticAgent:
         """When the first line matching `pattern` arrived after `since`, or None."""
         return next((t for t, line in list(self.lines) if t > since and re.search(pattern, line)), None)
 
+    def worker_pids(self) -> list[int]:
+        def is_worker(pid):
+            try:
+                return TRAIN.name in Path(f"/proc/{pid}/cmdline").read_text()
+            except OSError:
+                return False
+        return [pid for pid in _descendants(self.proc.pid)[1:] if is_worker(pid)]
+
     def kill_node(self):
         """SIGKILL the agent and every process under it at once, as when the node dies."""
         for pid in _descendants(self.proc.pid):

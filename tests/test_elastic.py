@@ -5,6 +5,7 @@ the next restart. Either way the weights end where an uninterrupted single-proce
 ends, since --global_batch_size fixes the batch and the sample order at any world size."""
 import os
 import re
+import signal
 import socket
 import time
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 from tests.fault_helpers import ElasticAgent, wait_until, worker_tracebacks
 from tests.launch_utils import TINY, free_port, latest_checkpoint, max_abs_diff, out_args, run_training
 
-STEPS, SAVE = 200, 20
+STEPS, SAVE = 100, 10
 ARGS = [*TINY, "--max_steps", str(STEPS), "--save_interval", str(SAVE), "--global_batch_size", "8",
         "--from_resume", "1"]
 # The rendezvous timeouts the README recommends: a dead node is dropped after 3 missed
@@ -61,7 +62,7 @@ def test_losing_a_node_the_survivor_resumes_alone_and_matches(tmp_path, referenc
     wait_until(lambda: "world_size=2" in survivor.output, 120, "group of 2", agents)
     before = checkpoints(tmp_path)
     wait_until(lambda: checkpoints(tmp_path) - before, 120, "checkpoint by the group of 2", agents)
-    saved = max(int(re.search(r"\d+", n).group()) for n in checkpoints(tmp_path))
+    saved = max(int(re.search(r"step(\d+)", n).group(1)) for n in checkpoints(tmp_path))
     killed_at = time.monotonic()
     doomed.kill_node()
 
@@ -92,7 +93,13 @@ def test_a_node_that_joins_later_is_taken_in_at_the_next_restart(tmp_path, refer
     first = start_first_agent(tmp_path, port)
     wait_until(lambda: re.search(r"^epoch \d+/\d+ step 3/", first.output, re.M), 120, "step 3 alone", [first])
     assert "world_size=1 micro_batch=4 accumulation=2" in first.output
+    # Hold the lone worker still (as a slow one would be) so it cannot finish before the
+    # new node is in; its agent stays awake and sees the newcomer.
+    worker = first.worker_pids()[0]
+    os.kill(worker, signal.SIGSTOP)
     late = ElasticAgent(port, [*ARGS, *out_args(tmp_path)], tmp_path, RDZV_CONF)
+    wait_until(lambda: "closing signal SIGTERM" in first.output, 120, "restart for the new node", [first, late])
+    os.kill(worker, signal.SIGCONT)
 
     rcs = [first.wait(timeout=480), late.wait(timeout=60)]
     out = first.output
@@ -107,3 +114,46 @@ def test_a_node_that_joins_later_is_taken_in_at_the_next_restart(tmp_path, refer
     final = latest_checkpoint(tmp_path)
     assert final["global_step"] == STEPS and final["world_size"] == 2
     assert max_abs_diff(final["model"], reference["model"]) < 1e-5
+
+
+# ---------------------------------------------------------------------------- in-process units
+def test_peer_lost_recognises_gloo_and_distributed_errors_only():
+    import torch.distributed as dist
+
+    from trainer.trainer_utils import peer_lost
+
+    gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+                        "[127.0.0.1]:5863: Connection reset by peer. This is typically caused by ...")
+    assert peer_lost(gloo)
+    assert peer_lost(dist.DistBackendError("NCCL communicator was aborted"))
+    assert peer_lost(dist.DistNetworkError("connection refused"))
+    assert not peer_lost(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not peer_lost(ValueError("gloo"))
+
+
+def test_a_new_group_ignores_the_store_address_a_dead_group_left():
+    """The agent's store still holds the address rank 0 of the previous group posted;
+    nothing answers there any more. Rank 1 must wait for the new one, not use the old."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from trainer.trainer_utils import group_store
+
+    timeout = timedelta(seconds=30)
+    agent = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timeout, wait_for_workers=False)
+    with socket.socket() as dead:  # a port that was free a moment ago and is closed now
+        dead.bind(("127.0.0.1", 0))
+        dead_port = dead.getsockname()[1]
+    agent.set("minimind/group_store", f"{dead_port} old-nonce")
+
+    stores = {}
+    rank1 = threading.Thread(target=lambda: stores.update({1: group_store(agent, "127.0.0.1", 1, timeout)}))
+    rank1.start()
+    time.sleep(1.0)  # rank 1 reads the stale address first
+    stores[0] = group_store(agent, "127.0.0.1", 0, timeout)
+    rank1.join(timeout=30)
+    assert 1 in stores, "rank 1 never found the new group's store"
+    stores[0].set("hello", "from rank 0")
+    assert stores[1].get("hello") == b"from rank 0"

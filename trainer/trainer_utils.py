@@ -86,8 +86,13 @@ def restart_safe_store(timeout: timedelta):
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
-    host, rank = os.environ["MASTER_ADDR"], int(os.environ["RANK"])
+    host = os.environ["MASTER_ADDR"]
     agent_store = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return group_store(agent_store, host, int(os.environ["RANK"]), timeout)
+
+
+def group_store(agent_store, host: str, rank: int, timeout: timedelta):
+    """Rank 0 serves a new store and posts its port in `agent_store`; the others connect."""
     key = "minimind/group_store"
     if rank == 0:
         store = dist.TCPStore(host, 0, is_master=True, timeout=timeout, wait_for_workers=False)

@@ -11,6 +11,7 @@
 set -euo pipefail
 
 PACKAGES=(slurmctld slurmd slurm-client munge)
+export PATH="$PATH:/usr/sbin:/sbin"  # the daemons live there; a user PATH may lack it
 
 install() {
     if command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v sbatch >/dev/null \
