@@ -56,7 +56,8 @@ def prepare_run(files, work, num_proc):
     run = manifest["runs"][0]
     mb = sum(f.stat().st_size for f in files) / 1e6
     return out, dict(files=len(files), mb=mb, wall=wall, tokens=manifest["num_tokens"], docs=manifest["num_docs"],
-                     bad=run["bad_lines"], tokens_per_s=run["tokens_per_s"], mb_per_s=mb / run["seconds"],
+                     bad=run["bad_lines"], tokens_per_s=run["tokens_per_s"],
+                     tokens_per_cpu_s=manifest["num_tokens"] / run["cpu_s"], mb_per_s=mb / run["seconds"],
                      main_rss=run["peak_rss_mb"], worker_rss=run["peak_worker_rss_mb"], shards=manifest["num_shards"])
 
 
@@ -106,12 +107,12 @@ def main():
         shutil.rmtree(work, ignore_errors=True)
 
     print(f"\nprepare_data.py --num_proc {args.num_proc}, corpus = {DEMO.name} repeated, {args.file_mb:g} MB per file")
-    print("| input | files -> shards | tokens | docs | bad lines | wall s | tokens/s | MB/s | peak RSS main | "
+    print("| input | files -> shards | tokens | docs | bad lines | wall s | tokens/s | tokens per CPU s | MB/s | peak RSS main | "
           "peak RSS largest worker | trainer start-up | shards open |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in sorted(rows, key=lambda r: r["mb"]):
         print(f"| {r['mb']:,.0f} MB | {r['files']} -> {r['shards']} | {r['tokens']:,} | {r['docs']:,} | {r['bad']} | "
-              f"{r['wall']:.0f} | {r['tokens_per_s']:,.0f} | {r['mb_per_s']:.2f} | {r['main_rss']:.0f} MB | "
+              f"{r['wall']:.0f} | {r['tokens_per_s']:,.0f} | {r['tokens_per_cpu_s']:,.0f} | {r['mb_per_s']:.2f} | {r['main_rss']:.0f} MB | "
               f"{r['worker_rss']:.0f} MB | {r['startup']:.1f} s | {r['opened'] * 1e3:.0f} ms |")
     print(f"\ntrainer start-up = wall time of train_pretrain.py --max_steps 1 (python, tiny model) on the shard "
           f"directory; {start_small:.1f} s on a 1-file .bin. shards open = ShardedPackedDataset(dir) + its last window.")

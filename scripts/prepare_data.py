@@ -141,18 +141,20 @@ def prepare(data_path, out_path, tokenizer_path=None, num_proc=None, skip_bad_li
     seconds = time.time() - t0
     figures = dict(counts, seconds=round(seconds, 3), tokens_per_s=round(counts["tokens"] / seconds),
                    inputs=len(todo), inputs_skipped=len(mine) - len(todo), num_proc=num_proc,
-                   shard_index=shard_index, num_shards=num_shards, **peak_rss_mb())
+                   shard_index=shard_index, num_shards=num_shards, **resource_figures())
     if single:
         return dict(figures, out_path=str(out_path), megabytes=out_path.stat().st_size / 1e6)
     manifest = out.finish_run(figures)
     return dict(figures, out_path=str(out_path), manifest=manifest)
 
 
-def peak_rss_mb():
-    """Peak resident memory of this process and of the largest pool worker, in MB."""
-    self_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    children_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return {"peak_rss_mb": round(self_kb / 1024, 1), "peak_worker_rss_mb": round(children_kb / 1024, 1)}
+def resource_figures():
+    """Peak resident memory of this process and of the largest pool worker (MB), and the CPU
+    seconds of all of them: tokens per CPU second does not depend on how busy the machine is."""
+    me, workers = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = me.ru_utime + me.ru_stime + workers.ru_utime + workers.ru_stime
+    return {"peak_rss_mb": round(me.ru_maxrss / 1024, 1),  # ru_maxrss is in KiB on Linux
+            "peak_worker_rss_mb": round(workers.ru_maxrss / 1024, 1), "cpu_s": round(cpu, 1)}
 
 
 def write_all(out, todo, chunk_lines, num_proc, skip_bad_lines, init_args):
@@ -216,10 +218,10 @@ def summary(stats):
     if stats["bad_lines"]:
         lines.append(f"skipped {stats['bad_lines']} bad lines; the first: {stats['first_bad'][0]}")
     if stats["inputs_skipped"]:
-        lines.append(f"{stats['inputs_skipped']} input files already complete from an earlier run, skipped")
+        lines.append(f"{stats['inputs_skipped']} input file(s) already complete from an earlier run, skipped")
     lines.append(f"{stats['docs']:,} docs, {stats['tokens']:,} tokens from {stats['inputs']} files in "
                  f"{stats['seconds']:.1f} s ({stats['tokens_per_s']:,.0f} tokens/s, {stats['num_proc']} "
-                 f"processes), {stats['bad_lines']} bad lines skipped; peak RSS {stats['peak_rss_mb']:.0f} MB main, "
+                 f"processes, {stats['cpu_s']:.0f} CPU s), {stats['bad_lines']} bad lines skipped; peak RSS {stats['peak_rss_mb']:.0f} MB main, "
                  f"{stats['peak_worker_rss_mb']:.0f} MB largest worker -> {stats['out_path']}")
     if "manifest" in stats:
         m = stats["manifest"]

@@ -74,6 +74,7 @@ def test_glob_and_directory_give_the_tokens_of_the_concatenated_file(tmp_path, t
     assert manifest["num_docs"] == len(TEXTS) and manifest["num_tokens"] == len(expected) // 2
     run = manifest["runs"][0]
     assert run["docs"] == len(TEXTS) and run["bad_lines"] == 0 and run["tokens_per_s"] > 0 and run["peak_rss_mb"] > 0
+    assert run["cpu_s"] > 0
 
     # training reads the shard directory as the very windows of the single file
     single, sharded = PackedPretrainDataset(tmp_path / "whole.bin", 16), ShardedPackedDataset(tmp_path / "by_dir", 16)
