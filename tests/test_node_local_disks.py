@@ -69,7 +69,8 @@ def test_resume_after_a_kill_needs_the_checkpoint_on_node_0_only(nodes):
         assert rc == 0, f"node {rank}:\n{output[-3000:]}"
     out0 = resumed[0][1]
     assert f"resumed from ckpt/pretrain_64_resume_step{2 * SAVE:07d}.pth at step {2 * SAVE}/{STEPS}" in out0
-    assert [int(m) for m in re.findall(r"^epoch \d+/\d+ step (\d+)/", out0, re.M)] == list(range(2 * SAVE + 1, STEPS + 1))
+    trained = [int(m) for m in re.findall(r"^epoch \d+/\d+ step (\d+)/", out0, re.M)]
+    assert trained == list(range(2 * SAVE + 1, STEPS + 1))
     assert read_metrics(node0)[-1]["step"] == STEPS
     assert f"ckpt/pretrain_64_resume_step{STEPS:07d}.pth" in checkpoint_files(node0)
     # Node 1 never had a checkpoint (nor weights) of its own, before or after.
