@@ -41,9 +41,10 @@ def test_eval_cli_generates_and_measures_perplexity(setup):
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=root, stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    match = re.fullmatch(r"ppl_data=(\S+) docs=(\d+) tokens=(\d+) loss=(\S+) ppl=(\S+)", lines[0])
+    match = re.fullmatch(r"ppl_data=(\S+) docs=(\d+) tokens=(\d+) loss=(\S+) ppl=(\S+) bits_per_byte=(\S+)", lines[0])
     assert match, lines[0]
     docs, tokens, loss, ppl = int(match[2]), int(match[3]), float(match[4]), float(match[5])
+    assert 0 < float(match[6]) < loss  # a byte-level BPE token spells at least one byte, mostly more
     assert docs == len(DOCS) and math.isfinite(loss) and loss > 0
     assert ppl == pytest.approx(math.exp(loss), rel=1e-5)
     assert loss == pytest.approx(reference_loss(pth, tok_dir, max_seq_len=64), rel=1e-4)
