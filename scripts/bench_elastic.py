@@ -1,6 +1,6 @@
 """How long an elastic torchrun job needs to go on after losing a node, per rendezvous setting.
 
-    python scripts/bench_elastic.py [--steps 300]
+    python scripts/bench_elastic.py [--steps 300] [--only "tuned (README)"]
 
 Two torchrun agents on 127.0.0.1 (--nnodes=1:2, c10d rendezvous) train the tiny model;
 after the first checkpoint of the group of 2, the second agent and its worker are
@@ -54,9 +54,12 @@ def measure(conf: str, steps: int, work: Path) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--only", choices=list(CONFIGS), help="measure one setting")
     args = parser.parse_args()
     rows = {}
     for name, conf in CONFIGS.items():
+        if args.only and name != args.only:
+            continue
         with TemporaryDirectory() as tmp:
             rows[name] = measure(conf, args.steps, Path(tmp))
             print(f"{name}: {rows[name]}", flush=True)

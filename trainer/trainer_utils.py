@@ -164,6 +164,9 @@ def cleanup_distributed(clean: bool = True):
     dist.destroy_process_group()
 
 
+PEER_LOST_EXIT_DELAY_S = 2.0
+
+
 def peer_lost(exc: BaseException) -> bool:
     """Did a collective fail because another process of the group died or hung?
     NCCL and the stores raise DistError; gloo raises a plain RuntimeError naming itself."""
@@ -189,6 +192,9 @@ def exit_peer_lost(exc: BaseException, resumes: bool):
     if is_main_process() or os.environ.get("LOCAL_RANK") == "0":
         print(f"error: lost a peer process ({reason}); {then}", file=sys.stderr, flush=True)
     sys.stdout.flush()
+    # Let the rank that failed (if it is still exiting) go first: torchrun reports the
+    # first worker it sees exit as the root cause, and that should be the culprit.
+    time.sleep(PEER_LOST_EXIT_DELAY_S)
     os._exit(1)
 
 
