@@ -4,6 +4,7 @@ trainer's start-up time on the shard directory it writes.
 
     python scripts/bench_prepare.py                  # 1 GB in 8 files, and its first 2 files
     python scripts/bench_prepare.py --file_mb 10     # a quick try
+    python scripts/bench_prepare.py --synthetic 8:247000000,1000:247000000   # start-up only
 
 The corpus is dataset/demo_pretrain.jsonl repeated into --num_files files of --file_mb MB
 each under --work_dir; everything there is deleted at the end. Each prefix of the files
@@ -20,6 +21,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
@@ -78,6 +81,28 @@ def open_seconds(shard_dir):
     return time.time() - start
 
 
+def synthetic_startup(work, num_shards, total_tokens):
+    """Start-up on a shard directory of a given size written directly (no tokenizing): what
+    the trainer pays at start depends on the shard count and sizes, not on the text."""
+    from dataset.packed_dataset import write_meta
+    from dataset.shards import write_manifest
+
+    folder = work / f"synthetic-{num_shards}"
+    folder.mkdir()
+    rng, shards, per = np.random.default_rng(0), [], total_tokens // num_shards
+    common = dict(dtype="uint16", vocab_size=6400, bos_token_id=1, eos_token_id=2, tokenizer="synthetic")
+    for k in range(num_shards):
+        name = f"{k:05d}-synthetic.bin"
+        rng.integers(3, 6400, per, dtype=np.uint16).tofile(folder / name)
+        write_meta(folder / name, num_tokens=per, num_docs=1, **common)
+        shards.append({"path": name, "num_tokens": per, "num_docs": 1})
+    write_manifest(folder, common, shards, runs=[])
+    row = dict(shards=num_shards, tokens=per * num_shards, startup=startup_seconds(folder, work / f"run-s{num_shards}"),
+               opened=open_seconds(folder))
+    shutil.rmtree(folder)
+    return row
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     p.add_argument("--work_dir", default="/tmp/bench_prepare")
@@ -85,7 +110,21 @@ def main():
     p.add_argument("--file_mb", type=float, default=125)
     p.add_argument("--sizes", default="2,8", help="how many of the files each prepare run takes")
     p.add_argument("--num_proc", type=int, default=2)
+    p.add_argument("--synthetic", default="",
+                   help="only time start-up on written shard dirs: SHARDS:TOKENS,... e.g. 8:247000000,1000:247000000")
     args = p.parse_args()
+    if args.synthetic:
+        work = Path(args.work_dir)
+        work.mkdir(parents=True)
+        try:
+            rows = [synthetic_startup(work, *map(int, spec.split(":"))) for spec in args.synthetic.split(",")]
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        print("| shards | tokens | trainer start-up to step 1 | ShardedPackedDataset open + last window |")
+        print("|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['shards']:,} | {r['tokens']:,} | {r['startup']:.1f} s | {r['opened'] * 1e3:.0f} ms |")
+        return
     work = Path(args.work_dir)
     if work.exists():
         sys.exit(f"{work} exists; pass another --work_dir or delete it")
