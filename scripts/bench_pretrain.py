@@ -42,7 +42,7 @@ VARIANTS = {
     "d": ("packed, torchrun x2", 2, DEMO_BIN, [], {}),
     "e": ("packed + malloc env", 1, DEMO_BIN, [], MALLOC_TUNING),
     "f": ("packed + doc_mask", 1, DEMO_BIN, ["--doc_mask", "1"], {}),
-    "g": ("packed, torchrun x2 + compile", 2, DEMO_BIN, ["--use_compile", "1"], {}),
+    "g": ("torchrun x2 + compile", 2, DEMO_BIN, ["--use_compile", "1"], {}),
 }
 
 
