@@ -164,9 +164,6 @@ def cleanup_distributed(clean: bool = True):
     dist.destroy_process_group()
 
 
-PEER_LOST_EXIT_DELAY_S = 2.0
-
-
 def peer_lost(exc: BaseException) -> bool:
     """Did a collective fail because another process of the group died or hung?
     NCCL and the stores raise DistError; gloo raises a plain RuntimeError naming itself."""
@@ -174,12 +171,10 @@ def peer_lost(exc: BaseException) -> bool:
 
 
 def exit_peer_lost(exc: BaseException, resumes: bool):
-    """Say in one line that a peer is gone and what happens next, then exit at once.
-
-    One line instead of a gloo/NCCL stack trace on every surviving rank. No teardown:
-    destroying a process group whose peer is dead can block or abort in gloo, and the
-    elastic agent restarts the group only once every local worker has exited.
-    """
+    """Say in one line that a peer is gone and what happens next, then exit non-zero:
+    one line instead of a gloo/NCCL stack trace on every surviving rank. The teardown
+    is the one a failed rank does (no barrier), which also gives the rank that failed
+    the time to exit first, so torchrun names it as the root cause."""
     reason = re.sub(r"^\[[^\]]*\]\s*", "", str(exc).strip()).split("\n")[0].split(". ")[0][:160]
     restarts_left = (int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
                      - int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
@@ -191,11 +186,8 @@ def exit_peer_lost(exc: BaseException, resumes: bool):
         then = "torchrun restarts the group with the processes left, from step 0 (pass --from_resume 1 to resume)"
     if is_main_process() or os.environ.get("LOCAL_RANK") == "0":
         print(f"error: lost a peer process ({reason}); {then}", file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    # Let the rank that failed (if it is still exiting) go first: torchrun reports the
-    # first worker it sees exit as the root cause, and that should be the culprit.
-    time.sleep(PEER_LOST_EXIT_DELAY_S)
-    os._exit(1)
+    cleanup_distributed(clean=False)
+    sys.exit(1)
 
 
 def Logger(*content, **kwargs):
