@@ -27,7 +27,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO_ROOT / "scripts" / "quickstart.sh"
 
 SUMMARY = re.compile(r"quickstart summary: steps=(\d+) final_train_loss=(\S+) final_val_loss=(\S+) "
-                     r"unigram_baseline=(\S+) beats_unigram=(yes|no) val_ppl=(\S+) wall=(\d+)s")
+                     r"unigram_baseline=(\S+) beats_unigram=(yes|no) val_ppl=(\S+) wall=(\d+)s "
+                     r"val_bits_per_byte=(\S+)")
 
 
 def write_jsonl(path, texts):
@@ -117,6 +118,7 @@ def test_quickstart_runs_every_stage(tmp_path):
     assert float(baseline) == pytest.approx(expected, abs=1e-4)
     assert beats == ("yes" if float(val_loss) < float(baseline) else "no")
     assert ppl == ppl_line[2]
+    assert float(summary[8]) == pytest.approx(val[-1]["val_bpb"], abs=1e-4)
 
 
 # -----------------------------------------------------------------------------
