@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TRAIN = REPO_ROOT / "trainer" / "train_pretrain.py"
@@ -69,6 +70,31 @@ def ensure_demo_corpus() -> Path:
     from trainer.args import DEMO_CORPUS
 
     return build_if_missing(DEMO_CORPUS)
+
+
+def small_corpus(work: Path, documents: int = 300) -> tuple[Path, Path]:
+    """The first `documents` of the demo corpus as (small.jsonl, small.bin) in `work`:
+    a few seconds of training data for the padded and the packed path."""
+    from scripts.prepare_data import prepare
+
+    small = Path(work) / "small.jsonl"
+    small.write_text("".join(ensure_demo_corpus().open().readlines()[:documents]))
+    prepare(small, Path(work) / "small.bin", num_proc=1)
+    return small, Path(work) / "small.bin"
+
+
+class CountHostReads(TorchDispatchMode):
+    """Counts device-to-host scalar reads (aten._local_scalar_dense: `.item()`, `bool(t)`,
+    `float(t)`); on a GPU each one stalls the host until the queued kernels have run."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
 
 
 def start_training(nproc, args, tmp_path, launcher="torchrun", env=None, cwd=None) -> subprocess.Popen:

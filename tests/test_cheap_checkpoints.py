@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.launch_utils import CountHostReads
 from trainer.checkpoint import atomic_torch_save
 from trainer.parallel import weights_finite
 from trainer.save_schedule import SaveSchedule
@@ -24,29 +24,16 @@ def test_the_record_hashed_while_writing_is_the_file_on_disk(tmp_path):
     assert torch.equal(torch.load(path, weights_only=True)["model"]["w"], state["model"]["w"])
 
 
-class HostReads(TorchDispatchMode):
-    """Counts device-to-host scalar reads (.item(), bool(t)): each one stalls a GPU."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("poison", [None, float("nan"), float("inf"), -float("inf")])
 def test_weights_finite_is_one_host_read_for_any_number_of_parameters(poison):
     model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(20)])  # 40 parameters
     if poison is not None:
         with torch.no_grad():
             model[13].bias[5] = poison
-    with HostReads() as reads:
+    with CountHostReads() as reads:
         finite = weights_finite(model)
     assert finite == (poison is None)
-    assert reads.count == 1
+    assert reads.reads == 1
 
 
 def test_a_huge_but_finite_weight_is_finite():

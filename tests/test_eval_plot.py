@@ -45,7 +45,7 @@ def test_eval_cli_generates_and_measures_perplexity(setup):
     assert match, lines[0]
     docs, tokens, loss, ppl = int(match[2]), int(match[3]), float(match[4]), float(match[5])
     assert 0 < float(match[6]) < loss  # a byte-level BPE token spells at least one byte, mostly more
-    assert docs == len(DOCS) and math.isfinite(loss) and loss > 0
+    assert docs == len(DOCS) and tokens >= docs and math.isfinite(loss) and loss > 0
     assert ppl == pytest.approx(math.exp(loss), rel=1e-5)
     assert loss == pytest.approx(reference_loss(pth, tok_dir, max_seq_len=64), rel=1e-4)
     # One line per prompt: the prompt echoed, then the streamed continuation.

@@ -10,40 +10,19 @@ import signal
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from scripts.prepare_data import prepare
-from tests.launch_utils import REPO_ROOT, out_args
+from tests.launch_utils import CountHostReads, out_args, small_corpus
 from trainer.args import parse_args
 from trainer.train_pretrain import read_flags, train
 from trainer.trainer_utils import init_distributed_mode
 
-DEMO = REPO_ROOT / "dataset" / "demo_pretrain.jsonl"
 FAR = "1000"  # log, save and eval intervals beyond the run: only the last step does them
-
-
-class CountHostReads(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.reads = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.reads += 1
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture(scope="module")
 def corpora(tmp_path_factory):
-    if not DEMO.exists():
-        from scripts.build_demo_corpus import ensure_demo_corpus
-
-        ensure_demo_corpus(DEMO)
-    work = tmp_path_factory.mktemp("syncs")
-    small = work / "small.jsonl"
-    small.write_text("".join(DEMO.open().readlines()[:300]))
-    prepare(small, work / "small.bin", num_proc=1)
-    return {"packed": work / "small.bin", "padded": small}
+    padded, packed = small_corpus(tmp_path_factory.mktemp("syncs"))
+    return {"packed": packed, "padded": padded}
 
 
 @pytest.fixture

@@ -4,23 +4,14 @@ import json
 
 import pytest
 
-from scripts.prepare_data import prepare
-from tests.launch_utils import REPO_ROOT, TINY, assert_bitwise_equal, latest_checkpoint, out_args, run_training
-
-DEMO = REPO_ROOT / "dataset" / "demo_pretrain.jsonl"
+from tests.launch_utils import (
+    TINY, assert_bitwise_equal, latest_checkpoint, out_args, run_training, small_corpus,
+)
 
 
 @pytest.fixture(scope="module")
 def packed_corpus(tmp_path_factory):
-    if not DEMO.exists():
-        from scripts.build_demo_corpus import ensure_demo_corpus
-
-        ensure_demo_corpus(DEMO)
-    work = tmp_path_factory.mktemp("packed")
-    small = work / "small.jsonl"
-    small.write_text("".join(DEMO.open().readlines()[:300]))
-    prepare(small, work / "small.bin", num_proc=1)
-    return work / "small.bin"
+    return small_corpus(tmp_path_factory.mktemp("packed"))[1]
 
 
 def _args(corpus, run_dir, *extra):

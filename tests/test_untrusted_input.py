@@ -8,7 +8,6 @@ checks themselves run in-process through train_pretrain.main.
 """
 import json
 import os
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
