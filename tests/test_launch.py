@@ -19,7 +19,7 @@ PREFIX = "pretrain_64"
 def assert_one_set_of_files(run_dir, steps):
     """What one writer (rank 0) leaves after `steps` steps with a single final save: no
     second metrics stream, no leftover temp files, one checkpoint with its record."""
-    assert sorted(os.listdir(run_dir / "out")) == [f"{PREFIX}.pth", f"{PREFIX}_metrics.jsonl"]
+    assert sorted(os.listdir(run_dir / "out")) == [f"{PREFIX}.json", f"{PREFIX}.pth", f"{PREFIX}_metrics.jsonl"]
     step_file = f"{PREFIX}_resume_step{steps:07d}.pth"
     assert sorted(os.listdir(run_dir / "ckpt")) == [f"{PREFIX}_resume.pth", step_file, f"{step_file}.json"]
     assert os.readlink(run_dir / "ckpt" / f"{PREFIX}_resume.pth") == step_file
