@@ -43,9 +43,9 @@ def main(out_path, parallel):
     losses = []
     for step in range(STEPS):
         ids, labels = batch(step)
-        loss, *_ = optimizer_step(net, optimizer, scaler, [(ids[mine], labels[mine])], args, env, False,
-                                  nullcontext(), False, False, 1)
-        losses.append(loss)
+        result = optimizer_step(net, optimizer, scaler, [(ids[mine], labels[mine])], args, env, False,
+                                nullcontext(), False, False, 1)
+        losses.append(result.mean_loss())
     weights = full_state_dict(model)
     if env.rank == 0:
         torch.save({"losses": losses, "weights": weights}, out_path)
