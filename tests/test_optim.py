@@ -41,6 +41,22 @@ def test_resolve_dtype(flag, device, cpu_flags, cuda_bf16, sharded, expected):
     assert why
 
 
+@pytest.mark.parametrize("flag, device, cpu_flags, cuda_bf16, groups, has_muon, expected", [
+    ("auto", "cuda:0", frozenset(), True, "split", True, "muon"),
+    ("auto", "cuda:0", frozenset(), False, "split", True, "adamw"),  # a T4: Muon's bf16 is emulated
+    ("auto", "cpu", frozenset({"avx512f", "amx_bf16"}), False, "split", True, "muon"),
+    ("auto", "cpu", EPYC_NO_BF16, False, "split", True, "adamw"),
+    ("auto", "cuda:0", frozenset(), True, "single", True, "adamw"),  # MiniMind's one AdamW group
+    ("auto", "cuda:0", frozenset(), True, "split", False, "adamw"),  # a torch without Muon
+    ("muon", "cpu", EPYC_NO_BF16, False, "split", True, "muon"),  # explicit flags win
+    ("adamw", "cuda:0", frozenset(), True, "split", True, "adamw"),
+])
+def test_resolve_optimizer(flag, device, cpu_flags, cuda_bf16, groups, has_muon, expected):
+    name, why = optim.resolve_optimizer(flag, device, cpu_flags, cuda_bf16, groups, has_muon)
+    assert name == expected
+    assert why
+
+
 def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nmodel name\t: Xeon\nflags\t\t: fpu avx512f amx_bf16 amx_tile\n\n")

@@ -68,10 +68,38 @@ def detect_dtype(flag: str, device: str, sharded: bool = False) -> tuple[str, st
                          cuda_bf16=cuda_has_native_bf16(device) if on_cuda else False, sharded=sharded)
 
 
+def resolve_optimizer(flag: str, device: str, cpu_flags=frozenset(), cuda_bf16: bool = True,
+                      param_groups: str = "split", has_muon: bool = True) -> tuple[str, str]:
+    """(optimizer name, why) for --optimizer `flag`; the hardware facts come in as arguments.
+
+    auto: Muon where bf16 matmuls are native (torch.optim.Muon orthogonalises its updates
+    in bf16), AdamW elsewhere. On a CPU without native bf16 a Muon step measured about 6x
+    an AdamW step (hidden 128, 4 layers, seq 256, batch 4) for a slightly lower loss.
+    """
+    if flag != "auto":
+        return flag, "--optimizer"
+    if param_groups == "single":
+        return "adamw", "auto: --param_groups single is AdamW on everything"
+    if not has_muon:
+        return "adamw", f"auto: torch {torch.__version__} has no torch.optim.Muon"
+    native = cuda_bf16 if device.startswith("cuda") else bool(NATIVE_BF16_CPU_FLAGS & set(cpu_flags))
+    if native:
+        return "muon", "auto: native bf16 for Muon's orthogonalisation"
+    return "adamw", "auto: no native bf16 here, where Muon's bf16 orthogonalisation is slow"
+
+
+def detect_optimizer(flag: str, device: str, param_groups: str = "split") -> tuple[str, str]:
+    """resolve_optimizer with this machine's facts."""
+    on_cuda = device.startswith("cuda")
+    return resolve_optimizer(flag, device, cpu_flags=frozenset() if on_cuda else read_cpu_flags(),
+                             cuda_bf16=cuda_has_native_bf16(device) if on_cuda else False,
+                             param_groups=param_groups, has_muon=hasattr(torch.optim, "Muon"))
+
+
 # ---------------------------------------------------------------------------- optimizers
 @dataclass(frozen=True)
 class OptimConfig:
-    optimizer: str = "adamw"        # adamw | muon
+    optimizer: str = "adamw"        # adamw | muon (--optimizer auto is resolved before this)
     param_groups: str = "split"     # split (no decay on 1-D) | single (MiniMind: one group, one decay)
     lr: float = 5e-4                # AdamW peak
     weight_decay: float = 0.01

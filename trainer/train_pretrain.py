@@ -33,7 +33,9 @@ from trainer.data import (  # noqa: E402
     ResumableDistributedSampler, build_data, make_train_loader, make_val_loader, plan_steps, resume_step, to_targets,
 )
 from trainer.metrics import RunLogger, Throughput, device_peak_flops, flops_per_token  # noqa: E402
-from trainer.optim import OptimConfig, build_optimizer, describe, detect_dtype, peak_lrs, set_lr  # noqa: E402
+from trainer.optim import (  # noqa: E402
+    OptimConfig, build_optimizer, describe, detect_dtype, detect_optimizer, peak_lrs, set_lr,
+)
 from trainer.parallel import (  # noqa: E402
     as_local_scalar, full_state_dict, gradient_sync, local_state_mib, weights_finite, wrap_model,
 )
@@ -160,7 +162,10 @@ def train(args, env) -> int:
     # ------------------------------------------------------------------ 1. settings
     dtype_name, why = detect_dtype(args.dtype, env.device, sharded=args.parallel == "fsdp" and env.distributed)
     Logger(f"dtype: {dtype_name} ({why})")
-    args = argparse.Namespace(**{**vars(args), "dtype": dtype_name})  # the resolved name from here on
+    optimizer_name, why = detect_optimizer(args.optimizer, env.device, args.param_groups)
+    Logger(f"optimizer: {optimizer_name} ({why})")
+    # The resolved names from here on.
+    args = argparse.Namespace(**{**vars(args), "dtype": dtype_name, "optimizer": optimizer_name})
     dtype = getattr(torch, dtype_name)
     configure_cuda(env.device, dtype)
     device_type = "cuda" if env.device.startswith("cuda") else "cpu"
