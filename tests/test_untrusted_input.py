@@ -220,6 +220,7 @@ BAD_FLAGS = {
     "learning_rate_inf": (["--learning_rate", "inf"], "--learning_rate must be a finite number above 0"),
     "weight_decay_negative": (["--weight_decay", "-0.1"], "--weight_decay must be a finite number at least 0"),
     "grad_clip_nan": (["--grad_clip", "nan"], "--grad_clip must be a number"),
+    "muon_lr_nan": (["--muon_lr", "nan"], "--muon_lr must be a finite number above 0"),
     "dist_timeout_0": (["--dist_timeout", "0"], "--dist_timeout must be a finite number above 0"),
     "peak_tflops_negative": (["--peak_tflops", "-5"], "--peak_tflops must be a finite number at least 0"),
     "val_fraction_nan": (["--val_fraction", "nan"], "--val_fraction must be in [0, 1)"),

@@ -110,6 +110,8 @@ FLOAT_RANGES = {
     "dist_timeout": (0.0, False, "seconds a collective may wait, e.g. 600"),
     "peak_tflops": (0.0, True, "the device's peak TFLOP/s, 0 to look it up"),
     "save_every_minutes": (0.0, True, "minutes of training between saves, 0 for off"),
+    "muon_lr": (0.0, False, "Muon's peak learning rate, e.g. 0.02"),
+    "muon_momentum": (0.0, True, "Muon's momentum, e.g. 0.95"),
 }
 
 

@@ -121,8 +121,6 @@ def check_optim_args(args):
     if args.optimizer == "muon" and not hasattr(torch.optim, "Muon"):
         raise UserError(f"--optimizer muon needs torch.optim.Muon (torch >= 2.9; this is {torch.__version__}): "
                         f"upgrade torch or pass --optimizer adamw")
-    if args.learning_rate <= 0 or args.muon_lr <= 0:
-        raise UserError("--learning_rate and --muon_lr must be positive")
 
 
 def is_block_matrix(name: str, param) -> bool:
