@@ -19,16 +19,19 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from common.errors import UserError
+
 from .model_minimind import MiniMindConfig, MiniMindForCausalLM
 
 # The config fields the scripts expose as --flags; everything else comes from the defaults.
 SHAPE_FLAGS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "use_moe")
-# trainer/args.py trains hidden 512 by default (MiniMindConfig's own default is 768);
-# matching it lets a default training run and default script runs find each other.
+# The default model of every script, trainer/args.py included: hidden 512 x 8 layers
+# (MiniMindConfig's own default hidden size is 768). One table, so that a default
+# training run and default script runs find each other's files.
 FLAG_DEFAULTS = {"hidden_size": 512, "num_hidden_layers": 8}
 
 
-class WeightsError(ValueError):
+class WeightsError(UserError, ValueError):
     """Bad weights, folder or flags. str(e) is one line that names the culprit and says what to do."""
 
 
@@ -37,10 +40,14 @@ def flag_default(name):
     return int(FLAG_DEFAULTS.get(name, getattr(MiniMindConfig(), name)))
 
 
+def run_prefix(save_weight, hidden_size, use_moe):
+    """The name of a run's files: `{save_weight}_{hidden}[_moe]` + .pth, .json, _metrics.jsonl, _resume..."""
+    return f"{save_weight}_{hidden_size}{'_moe' if use_moe else ''}"
+
+
 def default_weight_path(save_dir, hidden_size=None, use_moe=None, save_weight="pretrain"):
-    """The trainer's naming: {save_dir}/{save_weight}_{hidden}[_moe].pth."""
-    hidden = hidden_size or FLAG_DEFAULTS["hidden_size"]
-    return Path(save_dir) / f"{save_weight}_{hidden}{'_moe' if use_moe else ''}.pth"
+    """The trainer's weights for these flags: {save_dir}/{run_prefix}.pth."""
+    return Path(save_dir) / f"{run_prefix(save_weight, hidden_size or FLAG_DEFAULTS['hidden_size'], use_moe)}.pth"
 
 
 # -----------------------------------------------------------------------------

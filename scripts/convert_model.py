@@ -27,16 +27,16 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 from transformers.utils import logging as hf_logging
 
+from common.atomic import atomic_torch_save, atomic_write_bytes, atomic_write_text
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from model.weights import (  # noqa: F401  (load_weights, hf_to_state_dict: re-exported for callers)
+from model.weights import (
     SHAPE_FLAGS, WeightsError, build_model, config_flags, default_weight_path, flag_default, format_flags,
-    hf_to_state_dict, load_model, load_weights, qwen3_config_from_minimind, sidecar_path, sidecar_text,
+    hf_to_state_dict, load_model, qwen3_config_from_minimind, sidecar_path, sidecar_text,
 )
-from trainer.checkpoint import _atomic_write_text
 from trainer.cli import OneLineArgumentParser
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -129,15 +129,15 @@ def verify_export(model, out_dir, dtype=torch.float32, atol=1e-4, trust_remote_c
 
 
 def save_pth(state, out_path):
-    """Our .pth weight format: half-precision state_dict with our names, lm_head.weight included.
-    An out_path ending in .safetensors gets the same tensors as a safetensors file."""
+    """Our .pth weight format: half-precision state_dict with our names, lm_head.weight included,
+    written atomically. An out_path ending in .safetensors gets the same tensors as a safetensors file."""
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     half = {k: v.detach().half().contiguous() for k, v in state.items()}  # separate copies: no shared storage
     if out_path.suffix == ".safetensors":
-        save_file(half, out_path, metadata={"format": "pt"})
+        atomic_write_bytes(out_path, save(half, metadata={"format": "pt"}))
     else:
-        torch.save(half, out_path)
+        atomic_torch_save(half, out_path)
 
 
 # -----------------------------------------------------------------------------
@@ -176,7 +176,7 @@ def to_pth(args):
     state, config = hf_to_state_dict(args.hf_dir)
     model = build_model(state, config, args.hf_dir)  # checks every name and shape
     save_pth(model.state_dict(), args.out_path)
-    _atomic_write_text(sidecar_path(args.out_path), sidecar_text(config))  # so loading it needs no flags
+    atomic_write_text(sidecar_path(args.out_path), sidecar_text(config))  # so loading it needs no flags
     print(f"wrote {args.out_path} ({len(state)} tensors, fp16) and its config {sidecar_path(args.out_path)}")
     print(f"its model flags: {format_flags(config_flags(config))}")
 

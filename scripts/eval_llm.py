@@ -20,12 +20,12 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import torch
 
+from common.errors import UserError
 from dataset.lm_dataset import DataError, frame_document, iter_jsonl_texts, load_tokenizer
 from dataset.token_bytes import bits_per_byte, target_bytes, token_byte_lengths
 from model.weights import SHAPE_FLAGS, WeightsError, default_weight_path, flag_default, load_model
 from trainer.cli import OneLineArgumentParser
 from trainer.preflight import check_device
-from trainer.trainer_utils import UserError
 
 
 class TextStreamer:

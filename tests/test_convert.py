@@ -12,8 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from model.weights import load_model
-from scripts.convert_model import export_minimind, export_native, hf_to_state_dict, load_weights, main, save_pth
+from model.weights import hf_to_state_dict, load_model, load_weights
+from scripts.convert_model import export_minimind, export_native, main, save_pth
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FLAGS = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}

@@ -4,9 +4,9 @@ import argparse
 import math
 from pathlib import Path
 
+from common.errors import UserError
 from trainer.cli import OneLineArgumentParser
 from trainer.optim import check_optim_args
-from trainer.trainer_utils import UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_CORPUS = REPO_ROOT / "dataset" / "demo_pretrain.jsonl"

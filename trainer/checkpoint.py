@@ -34,7 +34,9 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_state_dict, set_model_state_dict, set_optimizer_state_dict, set_state_dict,
 )
 
-from trainer.trainer_utils import Logger, UserError, barrier, broadcast_from_main, is_main_process
+from common.atomic import atomic_torch_save, atomic_write_text
+from common.errors import UserError
+from trainer.distributed import Logger, barrier, broadcast_from_main, is_main_process
 
 FORMAT = "minimind-resume-v1"
 TRAINER_KEYS = {"format", "scaler", "global_step", "epoch", "step_in_epoch",
@@ -44,10 +46,6 @@ TRAINER_STATE = "trainer_state.pt"
 # Architecture fields a resumed run must agree on.
 CONFIG_KEYS = ("hidden_size", "num_hidden_layers", "use_moe", "vocab_size",
                "num_attention_heads", "num_key_value_heads", "intermediate_size")
-
-
-def run_prefix(save_weight: str, hidden_size: int, use_moe: bool) -> str:
-    return f"{save_weight}_{hidden_size}{'_moe' if use_moe else ''}"
 
 
 def step_path(checkpoint_dir, prefix, global_step, sharded=False) -> str:
@@ -123,48 +121,6 @@ def _sha256(path, chunk=1 << 22) -> str:
     return digest.hexdigest()
 
 
-class _HashingFile:
-    """The file torch.save writes to, hashing the bytes on their way through: the
-    checkpoint's record then costs no second read of a file of a gigabyte or more.
-    torch.save only ever appends to a file object, so this is the file's sha256."""
-
-    def __init__(self, f):
-        self._f, self._digest, self.size = f, hashlib.sha256(), 0
-
-    def write(self, data) -> int:
-        self._digest.update(data)  # hashlib releases the GIL for large blocks
-        self.size += memoryview(data).nbytes
-        return self._f.write(data)
-
-    def flush(self):
-        self._f.flush()
-
-    def record(self) -> dict:
-        return {"size": self.size, "sha256": self._digest.hexdigest()}
-
-
-def atomic_torch_save(obj, path) -> dict:
-    """torch.save to a temp file, fsync, then rename over `path`: a kill leaves the old file
-    or the new one, never half of one. Returns the file's {size, sha256}, hashed as written."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        hashing = _HashingFile(f)
-        torch.save(obj, hashing)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return hashing.record()
-
-
-def _atomic_write_text(path, text):
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _point_latest(checkpoint_dir, prefix, target):
     suffix = os.path.splitext(target)[1]  # .pth, or .dcp for a sharded folder
     link = os.path.join(checkpoint_dir, f"{prefix}_resume{suffix}")
@@ -198,7 +154,7 @@ def _publish(path, checkpoint_dir, prefix, keep_last, trainer_state, files):
     point `latest` at it, drop the oldest."""
     record = {"global_step": trainer_state["global_step"], "tokens_seen": trainer_state["tokens_seen"],
               "world_size": trainer_state["world_size"], "files": files}
-    _atomic_write_text(f"{path}.json", json.dumps(record))
+    atomic_write_text(f"{path}.json", json.dumps(record))
     _point_latest(checkpoint_dir, prefix, path)
     for old in list_checkpoints(checkpoint_dir, prefix)[max(1, keep_last):]:
         _remove(f"{old}.json")  # unrecord first: a kill in between leaves an ignored leftover

@@ -13,11 +13,11 @@ from pathlib import Path
 import torch
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, DistributedSampler, Subset
 
+from common.errors import UserError
 from dataset.lm_dataset import PretrainDataset
 from dataset.packed_dataset import PackedPretrainDataset
 from dataset.shards import MANIFEST, PREP_DIR, ShardedPackedDataset
 from dataset.sources import GLOB_CHARS, resolve_data_paths
-from trainer.trainer_utils import UserError
 
 
 class ResumableDistributedSampler(DistributedSampler):

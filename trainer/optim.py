@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.trainer_utils import UserError
+from common.errors import UserError
 
 # Either flag means the CPU runs bf16 matmuls natively (AMX tiles or AVX-512 BF16 dot products).
 NATIVE_BF16_CPU_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})

@@ -11,7 +11,8 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from trainer.trainer_utils import UserError, barrier, broadcast_from_main, is_main_process
+from common.errors import UserError
+from trainer.distributed import barrier, broadcast_from_main, is_main_process
 
 SHARED_MARKER = ".minimind_shared_check_"
 

@@ -19,15 +19,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from common.atomic import atomic_torch_save, atomic_write_text  # noqa: E402
+from common.errors import UserError  # noqa: E402
 from dataset.lm_dataset import DataError, load_tokenizer  # noqa: E402
 from dataset.packed_dataset import document_causal_mask  # noqa: E402
 from dataset.token_bytes import bits_per_byte, target_bytes, token_byte_lengths  # noqa: E402
 from model.model_minimind import count_parameters  # noqa: E402
-from model.weights import sidecar_path, sidecar_text  # noqa: E402
+from model.weights import run_prefix, sidecar_path, sidecar_text  # noqa: E402
 from trainer.args import DEMO_CORPUS, check_args, parse_args  # noqa: E402
 from trainer.checkpoint import (  # noqa: E402
-    _atomic_write_text, atomic_torch_save, load_latest_checkpoint, restore_model_and_optimizer, restore_rng_state,
-    run_prefix, save_checkpoint,
+    load_latest_checkpoint, restore_model_and_optimizer, restore_rng_state, save_checkpoint,
 )
 from trainer.data import (  # noqa: E402
     ResumableDistributedSampler, build_data, make_train_loader, make_val_loader, plan_steps, resume_step, to_targets,
@@ -42,10 +43,11 @@ from trainer.parallel import (  # noqa: E402
 from trainer.preflight import check_device, check_output_dirs  # noqa: E402
 from trainer.resilience import PreemptionFlag, inject_crash, inject_nan  # noqa: E402
 from trainer.save_schedule import SaveSchedule  # noqa: E402
-from trainer.trainer_utils import (  # noqa: E402
-    Logger, UserError, all_reduce_sum, barrier, cleanup_distributed, exit_peer_lost, fail,
-    init_distributed_mode, init_model, is_main_process, model_config_from_args, peer_lost, setup_seed,
+from trainer.distributed import (  # noqa: E402
+    Logger, all_reduce_sum, barrier, cleanup_distributed, exit_peer_lost, fail, init_distributed_mode,
+    is_main_process, peer_lost,
 )
+from trainer.trainer_utils import init_model, model_config_from_args, setup_seed  # noqa: E402
 
 
 def ensure_data(args, local_rank: int):
@@ -84,7 +86,7 @@ def save_weights(model, args, prefix):
         os.makedirs(args.save_dir, exist_ok=True)
         path = os.path.join(args.save_dir, f"{prefix}.pth")
         atomic_torch_save({k: v.half() for k, v in weights.items()}, path)
-        _atomic_write_text(sidecar_path(path), sidecar_text(model.config))
+        atomic_write_text(sidecar_path(path), sidecar_text(model.config))
 
 
 @torch.no_grad()

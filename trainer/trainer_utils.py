@@ -1,217 +1,38 @@
-"""Shared helpers of the training scripts: distributed setup, logging, LR schedule,
-seeding and model construction. Checkpointing lives in trainer/checkpoint.py and
-is re-exported here as `lm_checkpoint` for MiniMind users who look for it here."""
-import gc
+"""The shared module of the training scripts, where MiniMind users look for it: distributed
+setup, sampler sharding, checkpoint entry points, LR schedule, seeding and model
+construction. The distributed plumbing lives in trainer/distributed.py, checkpointing in
+trainer/checkpoint.py and the sampler in trainer/data.py; they are re-exported here.
+Nothing in trainer/ imports this module back, so there is no cycle."""
 import math
-import os
 import random
-import re
-import socket
-import sys
-import time
-from dataclasses import dataclass
-from datetime import timedelta
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
+from common.errors import UserError
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM, count_parameters
 from model.weights import WeightsError, build_model, load_weights, read_sidecar, resolve_config
+from trainer.checkpoint import (
+    lm_checkpoint, load_latest_checkpoint, restore_model_and_optimizer, save_checkpoint,
+)
+from trainer.data import ResumableDistributedSampler
+from trainer.distributed import (
+    DistEnv, Logger, all_reduce_sum, barrier, broadcast_from_main, cleanup_distributed, exit_peer_lost, fail,
+    group_store, init_distributed_mode, is_main_process, peer_lost,
+)
 
 
-class UserError(Exception):
-    """Bad flags or files: printed as one line by the script, which then exits with code 2."""
-
-
-# ---------------------------------------------------------------------------- distributed
-@dataclass
-class DistEnv:
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-    device: str = "cpu"
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1 or dist.is_initialized()
-
-
-def init_distributed_mode(device_flag: str | None = None, local_rank_flag: int | None = None,
-                          timeout_s: float = 1800) -> DistEnv:
-    """Join the process group if a launcher started us, and pick this rank's device.
-
-    torchrun and `torch.distributed.launch` both export RANK/WORLD_SIZE; LOCAL_RANK
-    is in the environment under torchrun, and only on the command line
-    (`--local-rank=N`) under the legacy launcher, so the environment wins.
-    """
-    has_cuda = torch.cuda.is_available()
-    if "RANK" not in os.environ:
-        device = device_flag or ("cuda:0" if has_cuda else "cpu")
-        return DistEnv(device=device)
-    local_rank = int(os.environ.get("LOCAL_RANK", local_rank_flag or 0))
-    wants_cpu = device_flag is not None and device_flag.startswith("cpu")
-    use_cuda = has_cuda and not wants_cpu
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
-    timeout = timedelta(seconds=timeout_s)
-    backend = "nccl" if use_cuda else "gloo"
-    store = restart_safe_store(timeout)
-    if store is None:
-        dist.init_process_group(backend, timeout=timeout)
-    else:
-        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
-                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
-    return DistEnv(
-        rank=dist.get_rank(),
-        local_rank=local_rank,
-        world_size=dist.get_world_size(),
-        device=f"cuda:{local_rank}" if use_cuda else "cpu",
-    )
-
-
-def restart_safe_store(timeout: timedelta):
-    """A store of this worker group's own under torchrun's elastic agent (None elsewhere).
-
-    The agent hands its workers one TCPStore for the whole job (static rendezvous, and
-    c10d rendezvous unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1). A re-formed group
-    would find the dead group's gloo/NCCL addresses there under the same keys and hang
-    in init_process_group. No key prefix fixes this under c10d: the restart count is
-    each agent's own (a node that joins late starts at 0, and a membership change does
-    not count), so two members of one group can disagree. Instead rank 0 serves a
-    fresh store on a free port and posts its address in the agent's store; the others
-    take the posted address once it answers with the nonce posted beside it (a stale
-    one is left over from a dead rank 0: by the time a new group starts every agent
-    has stopped its old workers, so nothing answers there).
-    """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    host = os.environ["MASTER_ADDR"]
-    agent_store = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
-    return group_store(agent_store, host, int(os.environ["RANK"]), timeout)
-
-
-def group_store(agent_store, host: str, rank: int, timeout: timedelta):
-    """Rank 0 serves a new store and posts its port in `agent_store`; the others connect."""
-    key = "minimind/group_store"
-    if rank == 0:
-        store = dist.TCPStore(host, 0, is_master=True, timeout=timeout, wait_for_workers=False)
-        nonce = f"{os.getpid()}-{time.time_ns()}"
-        store.set("minimind/nonce", nonce)
-        agent_store.set(key, f"{store.port} {nonce}")
-        return store
-    deadline = time.monotonic() + timeout.total_seconds()
-    while True:
-        port, nonce = agent_store.get(key).decode().split()
-        if _port_open(host, int(port)):  # probe first: a failed TCPStore connect logs pages
-            try:
-                store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5))
-                if store.get("minimind/nonce").decode() == nonce:
-                    store.set_timeout(timeout)
-                    return store
-            except RuntimeError:  # DistError too: the port is taken by something else now
-                pass
-        if time.monotonic() > deadline:
-            raise dist.DistStoreError(f"rank {rank}: no store from rank 0 of this group within {timeout}")
-        time.sleep(0.2)
-
-
-def _port_open(host: str, port: int) -> bool:
-    try:
-        socket.create_connection((host, port), timeout=2).close()
-        return True
-    except OSError:
-        return False
-
-
-def is_main_process() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def barrier():
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized():
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor
-
-
-def broadcast_from_main(obj):
-    """Rank 0's value of `obj` on every rank, so all ranks take the same decision."""
-    if not dist.is_initialized():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def cleanup_distributed(clean: bool = True):
-    """Leave the process group without tripping gloo at exit.
-
-    gloo can abort the process (SIGABRT, "terminate called without an active
-    exception") when a DDP model is still alive at destroy time, so the caller drops
-    its references first; we collect them and let every rank arrive before tearing
-    down. After a failure a peer may be gone, so no barrier then.
-    """
-    if not dist.is_initialized():
-        return
-    gc.collect()
-    if clean:
-        dist.barrier()
-    dist.destroy_process_group()
-
-
-def peer_lost(exc: BaseException) -> bool:
-    """Did a collective fail because another process of the group died or hung?
-    NCCL and the stores raise DistError; gloo raises a plain RuntimeError naming itself."""
-    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo" in str(exc))
-
-
-def exit_peer_lost(exc: BaseException, resumes: bool):
-    """Say in one line that a peer is gone and what happens next, then exit non-zero:
-    one line instead of a gloo/NCCL stack trace on every surviving rank. The teardown
-    is the one a failed rank does (no barrier), which also gives the rank that failed
-    the time to exit first, so torchrun names it as the root cause."""
-    reason = re.sub(r"^\[[^\]]*\]\s*", "", str(exc).strip()).split("\n")[0].split(". ")[0][:160]
-    restarts_left = (int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
-                     - int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
-    if restarts_left <= 0:
-        then = "no torchrun restart is left (--max-restarts); relaunch with --from_resume 1"
-    elif resumes:
-        then = "torchrun restarts the group with the processes left and it resumes from the last checkpoint"
-    else:
-        then = "torchrun restarts the group with the processes left, from step 0 (pass --from_resume 1 to resume)"
-    if is_main_process() or os.environ.get("LOCAL_RANK") == "0":
-        print(f"error: lost a peer process ({reason}); {then}", file=sys.stderr, flush=True)
-    cleanup_distributed(clean=False)
-    sys.exit(1)
-
-
-def Logger(*content, **kwargs):
-    """print() on rank 0 only."""
-    if is_main_process():
-        print(*content, **kwargs, flush=True)
-
-
-def fail(message: str, code: int = 2):
-    """Report a user error in one line and exit non-zero on every rank.
-
-    Rank 0 prints it, and so does the first process of every other node, since a
-    problem can be local to a node (a file missing there). The rest wait a moment
-    before exiting: torchrun tears the whole group down when any rank exits, and rank
-    0 must get its line out first.
-    """
-    # Before the process group exists (flag checks come first) the launcher's RANK says who speaks.
-    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
-    if rank == 0 or os.environ.get("LOCAL_RANK") == "0":
-        print(f"error: {message}", file=sys.stderr, flush=True)
-    else:
-        time.sleep(1.0)
-    cleanup_distributed(clean=False)
-    sys.exit(code)
+__all__ = [
+    # distributed setup and helpers
+    "DistEnv", "Logger", "all_reduce_sum", "barrier", "broadcast_from_main", "cleanup_distributed",
+    "exit_peer_lost", "fail", "group_store", "init_distributed_mode", "is_main_process", "peer_lost",
+    # sampler sharding
+    "ResumableDistributedSampler",
+    # checkpoints
+    "lm_checkpoint", "load_latest_checkpoint", "restore_model_and_optimizer", "save_checkpoint",
+    # defined here
+    "UserError", "get_lr", "init_model", "model_config_from_args", "setup_seed",
+]
 
 
 # ---------------------------------------------------------------------------- schedule, seeds
@@ -275,14 +96,3 @@ def init_model(config: MiniMindConfig, from_weight: str | None = None, device="c
     else:
         Logger(f"model: {total / 1e6:.2f}M parameters")
     return model.to(device)
-
-
-# MiniMind keeps lm_checkpoint here; ours lives with the rest of checkpointing. Resolved
-# on first use (PEP 562), since trainer.checkpoint itself imports the helpers above: an
-# import at module level here would fail whenever trainer.checkpoint is imported first.
-def __getattr__(name):
-    if name == "lm_checkpoint":
-        from trainer.checkpoint import lm_checkpoint
-
-        return lm_checkpoint
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
