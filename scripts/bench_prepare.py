@@ -27,7 +27,8 @@ import numpy as np
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-DEMO = REPO_ROOT / "dataset" / "demo_pretrain.jsonl"
+from dataset.demo_corpus import DEMO_CORPUS as DEMO  # noqa: E402
+
 PREPARE = REPO_ROOT / "scripts" / "prepare_data.py"
 TRAIN = REPO_ROOT / "trainer" / "train_pretrain.py"
 TINY = ["--hidden_size", "64", "--num_hidden_layers", "2", "--max_seq_len", "64", "--batch_size", "4",

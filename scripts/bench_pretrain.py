@@ -41,9 +41,11 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from dataset.demo_corpus import DEMO_CORPUS as DEMO_JSONL  # noqa: E402
+from model.weights import run_prefix  # noqa: E402
+
 TRAIN = REPO_ROOT / "trainer" / "train_pretrain.py"
-DEMO_JSONL = REPO_ROOT / "dataset" / "demo_pretrain.jsonl"
-DEMO_BIN = REPO_ROOT / "dataset" / "demo_pretrain.bin"
+DEMO_BIN = DEMO_JSONL.with_suffix(".bin")
 # The best of the glibc settings we tried: mmap only above 32 MiB, never trim the heap.
 # (A 1 MiB mmap threshold, or a 256 MiB top pad, made steps 20-30% slower here.)
 MALLOC_TUNING = {"MALLOC_MMAP_THRESHOLD_": str(1 << 25), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
@@ -100,7 +102,7 @@ def label(key, args):
 
 def ensure_packed_corpus():
     if not DEMO_JSONL.exists():
-        from scripts.build_demo_corpus import ensure_demo_corpus
+        from dataset.demo_corpus import ensure_demo_corpus
 
         ensure_demo_corpus(DEMO_JSONL)
     if not DEMO_BIN.exists():
@@ -138,7 +140,7 @@ def run_variant(key, args, work_dir):
     if exit_code != 0:
         why = f"timed out after {args.timeout:.0f} s" if exit_code is None else f"rc {exit_code}"
         raise VariantFailed(f"{why}\n" + "\n".join(log_path.read_text(errors="replace").splitlines()[-15:]))
-    rows = [json.loads(line) for line in (run_dir / "out" / f"pretrain_{args.hidden_size}_metrics.jsonl").open()]
+    rows = [json.loads(line) for line in (run_dir / "out" / f"{run_prefix('pretrain', args.hidden_size, False)}_metrics.jsonl").open()]
     timed = [r for r in rows if r["kind"] == "train" and r["step"] > args.warmup]
     return timed, usage.ru_maxrss / 1024
 

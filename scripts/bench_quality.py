@@ -30,6 +30,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from dataset.demo_corpus import DEMO_CORPUS  # noqa: E402
+from model.weights import run_prefix  # noqa: E402
 from trainer.cli import OneLineArgumentParser  # noqa: E402
 
 VARIANTS = {
@@ -51,7 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--num_hidden_layers", type=int, default=4)
     p.add_argument("--max_seq_len", type=int, default=340)
     p.add_argument("--batch_size", type=int, default=8)
-    p.add_argument("--corpus", default=str(REPO_ROOT / "dataset" / "demo_pretrain.jsonl"))
+    p.add_argument("--corpus", default=str(DEMO_CORPUS))
     p.add_argument("--out_dir", default=str(REPO_ROOT / "out" / "bench_quality"))
     p.add_argument("--plot", default=None, help="PNG path (default: OUT_DIR/val_loss_vs_time.png)")
     p.add_argument("--reuse", type=int, default=0, choices=[0, 1],
@@ -89,7 +91,7 @@ def read_val(metrics: Path) -> list[dict]:
 def train(name, args, data: Path, out: Path) -> list[dict]:
     kind, flags = VARIANTS[name]
     run_dir = out / name
-    metrics = run_dir / f"bench_{args.hidden_size}_metrics.jsonl"
+    metrics = run_dir / f"{run_prefix('bench', args.hidden_size, False)}_metrics.jsonl"
     if args.reuse and metrics.exists() and (val := read_val(metrics)):
         print(f"[{name}] reusing {metrics}: {val[-1]['step']} steps, last val_loss {val[-1]['val_loss']:.4f}", flush=True)
         return val

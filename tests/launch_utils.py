@@ -66,8 +66,7 @@ def run_training(nproc, args, tmp_path, launcher="torchrun", env=None, timeout=2
 def ensure_demo_corpus() -> Path:
     """Build the trainer's default corpus here, once, before launching runs side by side
     (on a fresh checkout each would otherwise build its own copy)."""
-    from scripts.build_demo_corpus import ensure_demo_corpus as build_if_missing
-    from trainer.args import DEMO_CORPUS
+    from dataset.demo_corpus import DEMO_CORPUS, ensure_demo_corpus as build_if_missing
 
     return build_if_missing(DEMO_CORPUS)
 

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.launch_utils import CountHostReads
-from trainer.checkpoint import atomic_torch_save
+from common.atomic import atomic_torch_save
 from trainer.parallel import weights_finite
 from trainer.save_schedule import SaveSchedule
 

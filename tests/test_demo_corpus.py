@@ -1,10 +1,11 @@
-"""Smoke tests for scripts/build_demo_corpus.py on a handful of modules."""
+"""Smoke tests for dataset/demo_corpus.py and scripts/build_demo_corpus.py on a handful of modules."""
 import io
 import json
 import sys
 from pathlib import Path
 
-from scripts.build_demo_corpus import build_demo_corpus, clean_doc, ensure_demo_corpus, main
+from dataset.demo_corpus import build_demo_corpus, clean_doc, ensure_demo_corpus
+from scripts.build_demo_corpus import main
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODULES = ["json", "textwrap", "heapq"]

@@ -83,7 +83,7 @@ def test_demo_corpus_is_built_by_local_rank_0_of_each_node_and_every_rank_waits(
         tmp_path, monkeypatch, local_rank, exists, builds):
     """Rank 2 of 4 on two nodes is local rank 0 of node 1: it builds its node's copy. Every
     rank takes the one barrier, whether it built, waited or found the file on its disk."""
-    import scripts.build_demo_corpus
+    import dataset.demo_corpus
     from trainer import train_pretrain
 
     corpus = tmp_path / "demo_pretrain.jsonl"
@@ -91,7 +91,7 @@ def test_demo_corpus_is_built_by_local_rank_0_of_each_node_and_every_rank_waits(
         corpus.write_text('{"text": "x"}\n')
     built, barriers = [], []
     monkeypatch.setattr(train_pretrain, "DEMO_CORPUS", corpus)
-    monkeypatch.setattr(scripts.build_demo_corpus, "ensure_demo_corpus", built.append)
+    monkeypatch.setattr(dataset.demo_corpus, "ensure_demo_corpus", built.append)
     monkeypatch.setattr(train_pretrain, "barrier", lambda: barriers.append(1))
     monkeypatch.setattr(train_pretrain, "is_main_process", lambda: False)  # a rank of node 1
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from dataset.demo_corpus import DEMO_CORPUS
 from dataset.lm_dataset import DataError
 from dataset.packed_dataset import PackedPretrainDataset, write_meta
 from dataset.shards import MANIFEST, ShardedPackedDataset
@@ -27,7 +28,7 @@ from tests.fault_helpers import job, run_all
 from tests.launch_utils import TINY, assert_bitwise_equal, latest_checkpoint, out_args
 from trainer.data import ResumableDistributedSampler, open_dataset
 
-DEMO = helpers_data.REPO_ROOT / "dataset" / "demo_pretrain.jsonl"
+DEMO = DEMO_CORPUS
 TEXTS = helpers_data.SAMPLE_TEXTS * 3  # 15 documents
 
 

@@ -5,11 +5,12 @@ import math
 from pathlib import Path
 
 from common.errors import UserError
+from dataset.demo_corpus import DEMO_CORPUS
+from model.weights import FLAG_DEFAULTS
 from trainer.cli import OneLineArgumentParser
 from trainer.optim import check_optim_args
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEMO_CORPUS = REPO_ROOT / "dataset" / "demo_pretrain.jsonl"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,8 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--max_bad_steps", type=int, default=5, help="abort after N consecutive non-finite steps")
 
     mdl = p.add_argument_group("model")
-    mdl.add_argument("--hidden_size", type=int, default=512)
-    mdl.add_argument("--num_hidden_layers", type=int, default=8)
+    mdl.add_argument("--hidden_size", type=int, default=FLAG_DEFAULTS["hidden_size"])
+    mdl.add_argument("--num_hidden_layers", type=int, default=FLAG_DEFAULTS["num_hidden_layers"])
     mdl.add_argument("--max_seq_len", type=int, default=340)
     mdl.add_argument("--vocab_size", type=int, default=6400)
     mdl.add_argument("--use_moe", type=int, default=0, choices=[0, 1])

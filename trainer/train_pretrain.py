@@ -26,7 +26,8 @@ from dataset.packed_dataset import document_causal_mask  # noqa: E402
 from dataset.token_bytes import bits_per_byte, target_bytes, token_byte_lengths  # noqa: E402
 from model.model_minimind import count_parameters  # noqa: E402
 from model.weights import run_prefix, sidecar_path, sidecar_text  # noqa: E402
-from trainer.args import DEMO_CORPUS, check_args, parse_args  # noqa: E402
+from dataset.demo_corpus import DEMO_CORPUS  # noqa: E402
+from trainer.args import check_args, parse_args  # noqa: E402
 from trainer.checkpoint import (  # noqa: E402
     load_latest_checkpoint, restore_model_and_optimizer, restore_rng_state, save_checkpoint,
 )
@@ -56,7 +57,7 @@ def ensure_data(args, local_rank: int):
     nodes sharing a disk merely race to write the same bytes). Every rank waits in the
     same barrier, whatever it found on its own disk."""
     if Path(args.data_path) == DEMO_CORPUS and local_rank == 0 and not DEMO_CORPUS.exists():
-        from scripts.build_demo_corpus import ensure_demo_corpus
+        from dataset.demo_corpus import ensure_demo_corpus
 
         ensure_demo_corpus(DEMO_CORPUS)
     barrier()

@@ -20,7 +20,7 @@ import time
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from scripts.build_demo_corpus import DEFAULT_CORPUS, ensure_demo_corpus
+from dataset.demo_corpus import DEMO_CORPUS, ensure_demo_corpus
 
 # Fixed ids: the first special tokens given to the trainer get ids 0, 1, 2.
 PAD_TOKEN = "<|endoftext|>"  # id 0: padding and end of a document
@@ -134,7 +134,7 @@ def chars_per_token(tokenizer, data_path, batch_size=256):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Train a byte-level BPE tokenizer on a JSONL corpus.")
-    parser.add_argument("--data_path", type=Path, default=DEFAULT_CORPUS,
+    parser.add_argument("--data_path", type=Path, default=DEMO_CORPUS,
                         help="JSONL corpus with a \"text\" field per line (default: the demo corpus)")
     parser.add_argument("--vocab_size", type=int, default=6400, help="total vocabulary incl. special tokens")
     parser.add_argument("--out_dir", type=Path, default=REPO_ROOT / "model",
@@ -145,8 +145,8 @@ def main(argv=None):
     min_vocab = 256 + len(SPECIAL_TOKENS)
     if args.vocab_size < min_vocab:
         parser.error(f"--vocab_size must be at least {min_vocab} (256 bytes + special tokens), got {args.vocab_size}")
-    if args.data_path.resolve() == DEFAULT_CORPUS.resolve():
-        ensure_demo_corpus(DEFAULT_CORPUS)
+    if args.data_path.resolve() == DEMO_CORPUS.resolve():
+        ensure_demo_corpus(DEMO_CORPUS)
     if not args.data_path.is_file():
         sys.exit(f"error: --data_path {args.data_path} does not exist")
 
