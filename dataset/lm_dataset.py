@@ -18,11 +18,13 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from common.errors import UserError
+
 EXPECTED = 'each line must be a JSON object like {"text": "..."}'
 NEEDS_DATA = 'pass --data_path a .jsonl file with one {"text": "..."} object per line'
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A problem with the input data. str(e) is one line that stands on its own."""
 
 

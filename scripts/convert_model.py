@@ -32,6 +32,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 from transformers.utils import logging as hf_logging
 
 from common.atomic import atomic_torch_save, atomic_write_bytes, atomic_write_text
+from common.errors import report_user_errors
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import (
     SHAPE_FLAGS, WeightsError, build_model, config_flags, default_weight_path, flag_default, format_flags,
@@ -196,14 +197,12 @@ def export(args):
     print(f"verified: max logit diff vs our model = {diff:.3g}")
 
 
+@report_user_errors
 def main(argv=None):
     args = parse_args(argv)
     hf_logging.disable_progress_bar()  # tiny folders; the bars are only noise
     try:
         to_pth(args) if args.to_pth else export(args)
-    except WeightsError as e:  # bad input
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
     except OSError as e:  # reading is checked above, so this is --out_dir / --out_path
         print(f"error: {e.filename}: cannot write there ({e.strerror}): pass --out_dir / --out_path "
               f"a place you can write to", file=sys.stderr)

@@ -20,8 +20,8 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import torch
 
-from common.errors import UserError
-from dataset.lm_dataset import DataError, frame_document, iter_jsonl_texts, load_tokenizer
+from common.errors import UserError, report_user_errors
+from dataset.lm_dataset import frame_document, iter_jsonl_texts, load_tokenizer
 from dataset.token_bytes import bits_per_byte, target_bytes, token_byte_lengths
 from model.weights import SHAPE_FLAGS, WeightsError, default_weight_path, flag_default, load_model
 from trainer.cli import OneLineArgumentParser
@@ -197,27 +197,24 @@ def tokenizer_for(args):
     return load_tokenizer(path)
 
 
+@report_user_errors
 def main(argv=None):
     args = parse_args(argv)
-    try:
-        tokenizer = tokenizer_for(args)
-        flags = {name: getattr(args, name) for name in SHAPE_FLAGS}
-        weight_path = args.weight_path
-        if weight_path is None and args.hf_dir is None:
-            weight_path = default_weight_path(REPO_ROOT / "out", args.hidden_size, args.use_moe)
-        model, source = load_model(weight_path, args.hf_dir, **flags)
-        if len(tokenizer) > model.config.vocab_size:
-            raise WeightsError(f"{tokenizer.name_or_path}: tokenizer has {len(tokenizer)} tokens but the model only "
-                               f"{model.config.vocab_size}: pass --tokenizer_path the tokenizer it was trained with")
-        model.to(args.device)
-        torch.manual_seed(args.seed)
-        if args.ppl_data:
-            docs, tokens, loss, bpb = perplexity(model, tokenizer, args.ppl_data, args.ppl_max_docs, args.max_seq_len)
-            print(f"ppl_data={args.ppl_data} docs={docs} tokens={tokens} loss={loss:.6f} ppl={math.exp(loss):.6f} "
-                  f"bits_per_byte={bpb:.6f}")
-    except (WeightsError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    tokenizer = tokenizer_for(args)
+    flags = {name: getattr(args, name) for name in SHAPE_FLAGS}
+    weight_path = args.weight_path
+    if weight_path is None and args.hf_dir is None:
+        weight_path = default_weight_path(REPO_ROOT / "out", args.hidden_size, args.use_moe)
+    model, source = load_model(weight_path, args.hf_dir, **flags)
+    if len(tokenizer) > model.config.vocab_size:
+        raise WeightsError(f"{tokenizer.name_or_path}: tokenizer has {len(tokenizer)} tokens but the model only "
+                           f"{model.config.vocab_size}: pass --tokenizer_path the tokenizer it was trained with")
+    model.to(args.device)
+    torch.manual_seed(args.seed)
+    if args.ppl_data:
+        docs, tokens, loss, bpb = perplexity(model, tokenizer, args.ppl_data, args.ppl_max_docs, args.max_seq_len)
+        print(f"ppl_data={args.ppl_data} docs={docs} tokens={tokens} loss={loss:.6f} ppl={math.exp(loss):.6f} "
+              f"bits_per_byte={bpb:.6f}")
     for prompt in args.prompt:
         generate_text(model, tokenizer, prompt, args)
     if not args.prompt and not args.ppl_data:

@@ -19,10 +19,11 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")  # files only; works without a display
 import matplotlib.pyplot as plt  # noqa: E402
 
+from common.errors import UserError, report_user_errors  # noqa: E402
 from trainer.cli import OneLineArgumentParser  # noqa: E402
 
 
-class MetricsError(ValueError):
+class MetricsError(UserError, ValueError):
     """str(e) is one line naming the file and what to do."""
 
 
@@ -92,6 +93,7 @@ def find_metrics(save_dir, metrics):
     return found
 
 
+@report_user_errors
 def main(argv=None):
     p = OneLineArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--save_dir", default=str(REPO_ROOT / "out"), help="where to look for *_metrics.jsonl")
@@ -106,9 +108,8 @@ def main(argv=None):
             if not (train or val):
                 raise MetricsError(f"{file}: no train or val rows: is this a metrics file?")
             runs[file.stem if file.stem not in runs else str(file)] = (train, val)
-    except (MetricsError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    except OSError as e:
+        raise MetricsError(str(e)) from None
     out = Path(args.out) if args.out else Path(args.save_dir) / "loss.png"
     plot_runs(runs, out)
     print(out)

@@ -31,6 +31,7 @@ sys.path.insert(0, str(REPO_ROOT))
 import numpy as np
 from tqdm import tqdm
 
+from common.errors import report_user_errors
 from dataset.lm_dataset import DataError, iter_raw_lines, load_tokenizer
 from dataset.packed_dataset import DTYPES, dtype_for_vocab
 from dataset.sources import TEXT_SUFFIXES, decode_record, is_parquet, read_chunks, resolve_data_paths
@@ -187,6 +188,7 @@ def write_all(out, todo, chunk_lines, num_proc, skip_bad_lines, init_args):
     return dict(docs=docs, tokens=tokens, bad_lines=bad_lines, first_bad=first_bad)
 
 
+@report_user_errors
 def main():
     parser = argparse.ArgumentParser(description="Tokenize a corpus into a packed token stream or shards")
     parser.add_argument("--data_path", required=True,
@@ -204,12 +206,8 @@ def main():
                         help="count and skip bad lines (or Parquet rows) instead of stopping at the first")
     parser.add_argument("--chunk_lines", type=int, default=1000, help="documents per task sent to a worker")
     args = parser.parse_args()
-    try:
-        stats = prepare(args.data_path, args.out_path, args.tokenizer_path, args.num_proc, args.skip_bad_lines,
-                        args.chunk_lines, args.text_column, args.shard_tokens, args.num_shards, args.shard_index)
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    stats = prepare(args.data_path, args.out_path, args.tokenizer_path, args.num_proc, args.skip_bad_lines,
+                    args.chunk_lines, args.text_column, args.shard_tokens, args.num_shards, args.shard_index)
     print(summary(stats))
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from common.errors import report_user_errors  # noqa: E402
 from dataset.lm_dataset import DataError, iter_raw_lines  # noqa: E402
 
 
@@ -52,6 +53,7 @@ def split_corpus(data_path, train_out, val_out, every=50):
     return counts[train_out], counts[val_out]
 
 
+@report_user_errors
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data_path", required=True, help='JSONL corpus, one {"text": ...} per line')
@@ -59,11 +61,7 @@ def main(argv=None):
     p.add_argument("--val_out", required=True, help="JSONL to write the held-out documents to")
     p.add_argument("--every", type=int, default=50, help="every N-th document goes to validation (default 50)")
     args = p.parse_args(argv)
-    try:
-        n_train, n_val = split_corpus(args.data_path, args.train_out, args.val_out, args.every)
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    n_train, n_val = split_corpus(args.data_path, args.train_out, args.val_out, args.every)
     print(f"split {args.data_path}: {n_train} train docs -> {args.train_out}, "
           f"{n_val} val docs (every {args.every}th) -> {args.val_out}")
 

@@ -23,6 +23,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import numpy as np  # noqa: E402
 
+from common.errors import report_user_errors  # noqa: E402
 from dataset.lm_dataset import DataError  # noqa: E402
 from dataset.packed_dataset import DTYPES, read_meta  # noqa: E402
 
@@ -61,16 +62,13 @@ def unigram_baseline(train_bin, val_bin):
             "vocab_size": train_meta["vocab_size"], "train_tokens": len(train), "val_tokens": len(val)}
 
 
+@report_user_errors
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--train_bin", required=True, help="packed training stream (.bin from prepare_data.py)")
     p.add_argument("--val_bin", required=True, help="packed validation stream (.bin from prepare_data.py)")
     args = p.parse_args(argv)
-    try:
-        r = unigram_baseline(args.train_bin, args.val_bin)
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    r = unigram_baseline(args.train_bin, args.val_bin)
     # One greppable line in eval_llm.py's key=value style; quickstart.sh reads its loss= field.
     print(f"unigram_baseline train={args.train_bin} val={args.val_bin} loss={r['val']:.4f} nats "
           f"(ppl={math.exp(r['val']):.2f})")

@@ -58,15 +58,11 @@ def setup_seed(seed: int):
 def model_config_from_args(args, vocab_size: int) -> MiniMindConfig:
     """The model the flags describe, or the config stored beside --from_weight (x.pth -> x.json),
     which decides the shape flags not typed; typed ones must agree with it."""
-    if args.from_weight:
-        try:
-            stored = read_sidecar(args.from_weight)
-            if stored is not None:
-                config = resolve_config(stored, args.model_flags, f"--from_weight {args.from_weight}")
-                config.flash_attn = True
-                return config
-        except WeightsError as exc:
-            raise UserError(str(exc)) from None
+    stored = read_sidecar(args.from_weight) if args.from_weight else None  # raises WeightsError, a UserError
+    if stored is not None:
+        config = resolve_config(stored, args.model_flags, f"--from_weight {args.from_weight}")
+        config.flash_attn = True
+        return config
     return MiniMindConfig(
         hidden_size=args.hidden_size,
         num_hidden_layers=args.num_hidden_layers,
@@ -83,10 +79,7 @@ def init_model(config: MiniMindConfig, from_weight: str | None = None, device="c
             state = load_weights(from_weight)  # untrusted: tensors only, never a full unpickle
         except WeightsError as exc:
             raise UserError(f"--from_weight {exc}") from None
-        try:
-            model = build_model(state, config, f"--from_weight {from_weight}").train()
-        except WeightsError as exc:
-            raise UserError(str(exc)) from None
+        model = build_model(state, config, f"--from_weight {from_weight}").train()
         Logger(f"loaded weights from {from_weight}")
     else:
         model = MiniMindForCausalLM(config)
