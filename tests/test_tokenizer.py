@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from trainer.train_tokenizer import main as train_main
+from trainer.train_tokenizer import iter_texts, main as train_main
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO_ROOT / "model"
@@ -121,3 +121,14 @@ def test_bad_line_reports_file_and_line(tmp_path, capsys, content, message):
     assert message in str(exc.value)
     assert "\n" not in str(exc.value)
     assert not (tmp_path / "tok").exists()
+
+
+def test_corpus_with_a_byte_order_mark_trains_like_the_datasets_read_it(tmp_path):
+    """The tokenizer trainer reads JSONL with the datasets' reader: a UTF-8 BOM on line 1
+    (Windows editors write one) is accepted by both, and is not part of the text."""
+    corpus = tmp_path / "bom.jsonl"
+    write_jsonl(corpus, [{"text": f"line {i} with some words"} for i in range(50)])
+    corpus.write_bytes(b"\xef\xbb\xbf" + corpus.read_bytes())
+    assert next(iter_texts(corpus)) == "line 0 with some words"
+    train_main(["--data_path", str(corpus), "--vocab_size", "300", "--out_dir", str(tmp_path / "tok"), "--no_progress"])
+    assert (tmp_path / "tok" / "tokenizer.json").is_file()

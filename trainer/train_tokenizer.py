@@ -21,6 +21,7 @@ import time
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from dataset.demo_corpus import DEMO_CORPUS, ensure_demo_corpus
+from dataset.lm_dataset import DataError, iter_jsonl_texts
 
 # Fixed ids: the first special tokens given to the trainer get ids 0, 1, 2.
 PAD_TOKEN = "<|endoftext|>"  # id 0: padding and end of a document
@@ -37,29 +38,10 @@ CHAT_TEMPLATE = (
 )
 
 
-class CorpusError(ValueError):
-    """A bad line in the corpus; the message already names file and line."""
-
-
 def iter_texts(path):
-    """Stream the "text" field of every non-blank line of a JSONL file."""
-    path = Path(path)
-    # Binary mode so a bad UTF-8 sequence can be reported with its line number.
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise CorpusError(f"{path}:{lineno}: not valid UTF-8") from None
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError as e:
-                raise CorpusError(f"{path}:{lineno}: invalid JSON ({e})") from None
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise CorpusError(f"{path}:{lineno}: expected an object with a string \"text\" field")
-            yield record["text"]
+    """Stream the "text" field of every non-blank line of a JSONL file: the datasets' own
+    reader, so both accept the same files; raises DataError naming the file and line."""
+    return (text for _, text in iter_jsonl_texts(path))
 
 
 def build_tokenizer():
@@ -73,7 +55,7 @@ def build_tokenizer():
 
 
 def train(data_path, vocab_size, progress=True):
-    """Train the tokenizer on the corpus; raises CorpusError on a bad line."""
+    """Train the tokenizer on the corpus; raises DataError on a bad line."""
     tokenizer = build_tokenizer()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -156,7 +138,7 @@ def main(argv=None):
         progress = not args.no_progress and sys.stderr.isatty()
         tokenizer = train(args.data_path, args.vocab_size, progress=progress)
         ratio = chars_per_token(tokenizer, args.data_path)
-    except CorpusError as e:
+    except DataError as e:
         sys.exit(f"error: {e}")
     try:
         out_dir = save(tokenizer, args.out_dir)
