@@ -248,42 +248,38 @@ def load_model(weight_path=None, hf_dir=None, **flags):
 # -----------------------------------------------------------------------------
 # Hugging Face folders (both formats written by scripts/convert_model.py)
 
+# Config fields that mean the same in MiniMindConfig and in transformers' Qwen3Config
+# (dense) or Qwen3MoeConfig (MoE), under the same name: copied as they are both ways.
+# The rest (rope_theta, use_moe, norm_topk_prob, eos as a list, the features we lack)
+# is mapped by hand in the two functions below.
+QWEN3_SAME_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
+                     "bos_token_id", "eos_token_id", "pad_token_id")
+QWEN3_MOE_SAME_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "router_aux_loss_coef")
+
+
 def qwen3_config_from_minimind(config, dtype="float32"):
     """The transformers Qwen3Config / Qwen3MoeConfig that computes exactly what our model does."""
     from transformers import Qwen3Config, Qwen3MoeConfig
 
     common = dict(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
-        head_dim=config.head_dim,
+        {name: getattr(config, name) for name in QWEN3_SAME_FIELDS},
         hidden_act="silu",  # our MLPs always use SiLU
-        max_position_embeddings=config.max_position_embeddings,
-        rms_norm_eps=config.rms_norm_eps,
         rope_parameters={"rope_type": "default", "rope_theta": float(config.rope_theta)},
         tie_word_embeddings=True,
         attention_bias=False,
         use_sliding_window=False,
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-        pad_token_id=config.pad_token_id,
         dtype=dtype,
     )
     if not config.use_moe:
         return Qwen3Config(**common, architectures=["Qwen3ForCausalLM"])
     return Qwen3MoeConfig(
         **common,
+        **{name: getattr(config, name) for name in QWEN3_MOE_SAME_FIELDS},
         architectures=["Qwen3MoeForCausalLM"],
-        num_experts=config.num_experts,
-        num_experts_per_tok=config.num_experts_per_tok,
-        moe_intermediate_size=config.moe_intermediate_size,
         # Ours renormalises only when top_k > 1; Qwen3-MoE whenever asked, which
         # for top_k == 1 would turn the routing weight into 1.0.
         norm_topk_prob=bool(config.norm_topk_prob and config.num_experts_per_tok > 1),
-        router_aux_loss_coef=config.router_aux_loss_coef,
         decoder_sparse_step=1,  # every layer is MoE, like ours
         mlp_only_layers=[],
     )
@@ -305,32 +301,14 @@ def minimind_config_from_qwen3(hf, source):
     for feature, present in unsupported.items():
         if present:
             raise WeightsError(f"{source}: uses {feature}, which MiniMind does not implement: cannot convert")
-    eos = hf.eos_token_id[0] if isinstance(hf.eos_token_id, list) else hf.eos_token_id
-    kwargs = dict(
-        hidden_size=hf.hidden_size,
-        num_hidden_layers=hf.num_hidden_layers,
-        num_attention_heads=hf.num_attention_heads,
-        num_key_value_heads=hf.num_key_value_heads,
-        head_dim=hf.head_dim,
-        intermediate_size=hf.intermediate_size,
-        vocab_size=hf.vocab_size,
-        rope_theta=rope["rope_theta"],
-        max_position_embeddings=hf.max_position_embeddings,
-        rms_norm_eps=hf.rms_norm_eps,
-        bos_token_id=hf.bos_token_id,
-        eos_token_id=eos,
-        pad_token_id=hf.pad_token_id,
-        use_moe=moe,
-    )
+    kwargs = {name: getattr(hf, name) for name in QWEN3_SAME_FIELDS}
+    if isinstance(hf.eos_token_id, list):
+        kwargs["eos_token_id"] = hf.eos_token_id[0]
+    kwargs.update(rope_theta=rope["rope_theta"], use_moe=moe)
     if moe:
-        kwargs.update(
-            num_experts=hf.num_experts,
-            num_experts_per_tok=hf.num_experts_per_tok,
-            moe_intermediate_size=hf.moe_intermediate_size,
-            # For top_k == 1 both settings mean the same to our router; keep our default.
-            norm_topk_prob=hf.norm_topk_prob or hf.num_experts_per_tok == 1,
-            router_aux_loss_coef=hf.router_aux_loss_coef,
-        )
+        kwargs.update({name: getattr(hf, name) for name in QWEN3_MOE_SAME_FIELDS})
+        # For top_k == 1 both settings mean the same to our router; keep our default.
+        kwargs["norm_topk_prob"] = hf.norm_topk_prob or hf.num_experts_per_tok == 1
     return MiniMindConfig(**kwargs)
 
 
