@@ -389,9 +389,11 @@ def count_parameters(model: MiniMindForCausalLM):
     return total, total - idle
 
 
-# In-process registration lets AutoConfig / AutoModelForCausalLM load our folders;
-# the auto-class registration writes an `auto_map` for trust_remote_code users.
-AutoConfig.register(MiniMindConfig.model_type, MiniMindConfig, exist_ok=True)
-AutoModelForCausalLM.register(MiniMindConfig, MiniMindForCausalLM, exist_ok=True)
-MiniMindConfig.register_for_auto_class()
-MiniMindForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+def register_auto_classes():
+    """Let AutoConfig / AutoModelForCausalLM load MiniMind folders in this process, and make
+    save_pretrained write an `auto_map` (and copy our source files) for trust_remote_code users.
+    Called by whoever needs it, so that importing the model changes nothing in transformers."""
+    AutoConfig.register(MiniMindConfig.model_type, MiniMindConfig, exist_ok=True)
+    AutoModelForCausalLM.register(MiniMindConfig, MiniMindForCausalLM, exist_ok=True)
+    MiniMindConfig.register_for_auto_class()
+    MiniMindForCausalLM.register_for_auto_class("AutoModelForCausalLM")

@@ -28,12 +28,12 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import torch
 from safetensors.torch import save, save_file
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers.utils import logging as hf_logging
 
 from common.atomic import atomic_torch_save, atomic_write_bytes, atomic_write_text
 from common.errors import report_user_errors
-from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+from model.model_minimind import MiniMindForCausalLM, register_auto_classes
 from model.weights import (
     SHAPE_FLAGS, WeightsError, build_model, config_flags, default_weight_path, flag_default, format_flags,
     hf_to_state_dict, load_model, qwen3_config_from_minimind, sidecar_path, sidecar_text,
@@ -73,7 +73,8 @@ def export_minimind(model, out_dir, tokenizer_path=None, dtype=torch.float32, at
     tokenizer_files = find_tokenizer_files(tokenizer_path)  # fail before writing anything
     rounded = _rounded_copy(model, dtype)
     # save_pretrained copies model_minimind.py and the modules it imports relatively
-    # (moe.py, generation.py) next to the weights, because of register_for_auto_class.
+    # (moe.py, generation.py) next to the weights, once the auto classes are registered.
+    register_auto_classes()
     rounded.to(dtype).save_pretrained(out_dir)
     missing = [name for name in REMOTE_CODE_FILES if not (out_dir / name).is_file()]
     if missing:
@@ -114,11 +115,6 @@ def verify_export(model, out_dir, dtype=torch.float32, atol=1e-4, trust_remote_c
     """Load `out_dir` with AutoModelForCausalLM in fp32 and compare its logits with ours."""
     reference = _rounded_copy(model, dtype)
     loaded = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32, trust_remote_code=trust_remote_code)
-    if trust_remote_code:
-        # The exported module registered its own copy of our classes under "minimind";
-        # point the auto classes back at the in-repo ones for the rest of this process.
-        AutoConfig.register(MiniMindConfig.model_type, MiniMindConfig, exist_ok=True)
-        AutoModelForCausalLM.register(MiniMindConfig, MiniMindForCausalLM, exist_ok=True)
     loaded.eval()
     gen = torch.Generator().manual_seed(0)
     input_ids = torch.randint(0, model.config.vocab_size, (2, 32), generator=gen)

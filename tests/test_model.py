@@ -4,7 +4,9 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from model.model_minimind import MiniMindConfig, MiniMindForCausalLM, causal_lm_loss, count_parameters
+from model.model_minimind import (
+    MiniMindConfig, MiniMindForCausalLM, causal_lm_loss, count_parameters, register_auto_classes,
+)
 
 VOCAB = 6400
 
@@ -183,6 +185,7 @@ def test_shift_labels_and_num_items_in_batch():
 @pytest.mark.parametrize("use_moe", [False, True])
 @torch.no_grad()
 def test_save_and_load_pretrained(tmp_path, use_moe):
+    register_auto_classes()
     model = tiny_model(use_moe=use_moe)
     model.save_pretrained(tmp_path)
     ids = random_ids()
