@@ -299,7 +299,7 @@ class MiniMindModel(nn.Module):
 def causal_lm_loss(logits, labels=None, shift_labels=None, num_items_in_batch=None):
     """Cross-entropy of next-token prediction, ignoring targets of -100.
 
-    `labels` are aligned with the inputs and shifted here (the seed's layout);
+    `labels` are aligned with the inputs and shifted here (MiniMind's layout);
     `shift_labels` are already shifted (the packed layout). By default the loss
     is a mean over valid targets; with `num_items_in_batch` it is the sum divided
     by that count, so accumulation and data parallelism can weight every token

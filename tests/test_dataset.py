@@ -11,9 +11,9 @@ from tests import helpers_data
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
+def tokenizer():
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(helpers_data.tokenizer_dir(tmp_path_factory.mktemp("tok")))
+    return AutoTokenizer.from_pretrained(helpers_data.REPO_TOKENIZER)
 
 
 def encode(tokenizer, text):

@@ -18,8 +18,8 @@ PREPARE_SCRIPT = helpers_data.REPO_ROOT / "scripts" / "prepare_data.py"
 
 
 @pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    return helpers_data.tokenizer_dir(tmp_path_factory.mktemp("tok"))
+def tok_dir():
+    return helpers_data.REPO_TOKENIZER
 
 
 @pytest.fixture(scope="module")

@@ -33,8 +33,8 @@ TEXTS = helpers_data.SAMPLE_TEXTS * 3  # 15 documents
 
 
 @pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    return helpers_data.tokenizer_dir(tmp_path_factory.mktemp("tok"))
+def tok_dir():
+    return helpers_data.REPO_TOKENIZER
 
 
 def split_corpus(folder, parts=3):

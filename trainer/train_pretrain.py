@@ -79,7 +79,7 @@ def configure_cuda(device: str, dtype: torch.dtype):
 
 
 def save_weights(model, args, prefix):
-    """The seed's inference format: a half-precision state_dict, written atomically by rank 0
+    """MiniMind's inference format: a half-precision state_dict, written atomically by rank 0
     (every rank takes part in gathering it when the model is sharded), with the model config
     beside it as {prefix}.json so that the scripts need no shape flags."""
     weights = full_state_dict(model)
