@@ -30,9 +30,11 @@ class _HashingFile:
         return {"size": self.size, "sha256": self._digest.hexdigest()}
 
 
-def _atomic_write(path, write, mode="wb"):
-    """Call write(f) on a temp file beside `path`, fsync it, then rename it over `path`."""
-    tmp = f"{path}.tmp"
+def _atomic_write(path, write, mode="wb", shared=False):
+    """Call write(f) on a temp file beside `path`, fsync it, then rename it over `path`.
+    `shared`: processes on several machines may write `path` at once, so each writes a
+    temp file of its own, named after its host and pid, and the renames cannot interleave."""
+    tmp = f"{path}.{os.uname().nodename}.{os.getpid()}.tmp" if shared else f"{path}.tmp"
     with open(tmp, mode) as f:
         result = write(f)
         f.flush()
@@ -56,5 +58,5 @@ def atomic_write_bytes(path, data: bytes):
     _atomic_write(path, lambda f: f.write(data))
 
 
-def atomic_write_text(path, text: str):
-    _atomic_write(path, lambda f: f.write(text), mode="w")
+def atomic_write_text(path, text: str, shared=False):
+    _atomic_write(path, lambda f: f.write(text), mode="w", shared=shared)

@@ -17,11 +17,11 @@ what is trained on.
 """
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 
+from common.atomic import atomic_write_text
 from dataset.lm_dataset import DataError
 from dataset.packed_dataset import DTYPES, PackedPretrainDataset, read_meta
 from dataset.sources import resolve_data_paths
@@ -34,14 +34,8 @@ RERUN = "re-run scripts/prepare_data.py with the same flags (it redoes only what
 
 
 def write_json_atomic(path, obj):
-    """Write to a name no other process uses, then rename: a reader sees all or nothing,
-    and two machines writing the same file at once cannot interleave."""
-    path = Path(path)
-    tmp = path.with_name(f"{path.name}.{os.uname().nodename}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    """A reader sees all or nothing, and two machines writing the same file at once cannot interleave."""
+    atomic_write_text(path, json.dumps(obj, indent=1) + "\n", shared=True)
 
 
 def write_manifest(out_dir, common, shards, runs):

@@ -9,7 +9,7 @@ Tokenize a corpus once into the flat token stream read by PackedPretrainDataset.
 --data_path is a file, a directory or a quoted glob of .jsonl and .parquet files, taken
 in sorted order. An --out_path ending in .bin gets all of them as one stream (+ its
 .bin.json); any other --out_path is a directory of shards (see dataset/shards.py and
-shard_output.py here) with a manifest.json, written when every input file is done.
+dataset/shard_output.py) with a manifest.json, written when every input file is done.
 
 Streaming: chunks of documents go to a process pool and come back in order, and each
 chunk's tokens are appended to the output as it arrives, so memory does not grow with
@@ -35,7 +35,7 @@ from common.errors import report_user_errors
 from dataset.lm_dataset import DataError, iter_raw_lines, load_tokenizer
 from dataset.packed_dataset import DTYPES, dtype_for_vocab
 from dataset.sources import TEXT_SUFFIXES, decode_record, is_parquet, read_chunks, resolve_data_paths
-from scripts.shard_output import ShardDirectory, StreamWriter
+from dataset.shard_output import ShardDirectory, StreamWriter
 
 SHOW_BAD = 10  # how many bad locations to keep for the summary with --skip_bad_lines
 
