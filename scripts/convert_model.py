@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers.utils import logging as hf_logging
 
 from common.atomic import atomic_torch_save, atomic_write_bytes, atomic_write_text
-from common.errors import report_user_errors
+from common.errors import UserError, report_user_errors
 from model.model_minimind import MiniMindForCausalLM, register_auto_classes
 from model.weights import (
     SHAPE_FLAGS, WeightsError, build_model, config_flags, default_weight_path, flag_default, format_flags,
@@ -200,9 +200,8 @@ def main(argv=None):
     try:
         to_pth(args) if args.to_pth else export(args)
     except OSError as e:  # reading is checked above, so this is --out_dir / --out_path
-        print(f"error: {e.filename}: cannot write there ({e.strerror}): pass --out_dir / --out_path "
-              f"a place you can write to", file=sys.stderr)
-        sys.exit(2)
+        raise UserError(f"{e.filename}: cannot write there ({e.strerror}): pass --out_dir / --out_path "
+                        f"a place you can write to") from None
     except ExportError as e:  # a conversion bug, not the user's fault
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
