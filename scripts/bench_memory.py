@@ -93,7 +93,8 @@ def compare_parallel(args):
                    "--checkpoint_dir", f"{work}/ckpt"]
             output, rss = run_measured(cmd, dict(os.environ, OMP_NUM_THREADS="1"))
             state = re.search(r"state per rank: weights ([\d,]+) MiB, optimizer ([\d,]+) MiB", output).groups()
-            rows = [json.loads(line) for line in open(f"{work}/out/{run_prefix('pretrain', args.hidden_size, False)}_metrics.jsonl")]
+            metrics = f"{work}/out/{run_prefix('pretrain', args.hidden_size, False)}_metrics.jsonl"
+            rows = [json.loads(line) for line in open(metrics)]
             training = max(r["peak_mem_mib"] for r in rows if r["kind"] == "train")
         print(f"{mode:<10}{state[0]:>12} MiB{state[1]:>14} MiB{training:>18,.0f} MiB{rss:>18,.0f} MiB")
 

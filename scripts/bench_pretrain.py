@@ -140,7 +140,8 @@ def run_variant(key, args, work_dir):
     if exit_code != 0:
         why = f"timed out after {args.timeout:.0f} s" if exit_code is None else f"rc {exit_code}"
         raise VariantFailed(f"{why}\n" + "\n".join(log_path.read_text(errors="replace").splitlines()[-15:]))
-    rows = [json.loads(line) for line in (run_dir / "out" / f"{run_prefix('pretrain', args.hidden_size, False)}_metrics.jsonl").open()]
+    metrics = run_dir / "out" / f"{run_prefix('pretrain', args.hidden_size, False)}_metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.open()]
     timed = [r for r in rows if r["kind"] == "train" and r["step"] > args.warmup]
     return timed, usage.ru_maxrss / 1024
 

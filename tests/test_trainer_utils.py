@@ -32,7 +32,8 @@ def test_lm_checkpoint_saves_then_loads_the_latest(tmp_path):
     config = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     model = MiniMindForCausalLM(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randint(0, config.vocab_size, (1, 8)), labels=torch.randint(0, config.vocab_size, (1, 8))).loss.backward()
+    ids = torch.randint(0, config.vocab_size, (1, 8))
+    model(ids, labels=ids).loss.backward()
     optimizer.step()
     state = {"scaler": {}, "global_step": 7, "epoch": 0, "step_in_epoch": 7, "samples_per_step": 4,
              "world_size": 1, "model_config": config.to_dict(), "tokens_seen": 224}
