@@ -20,7 +20,7 @@ RUN = [*TINY, "--data_path", "dataset/small.jsonl", "--checkpoint_dir", "ckpt", 
 def copy_repo(dest: Path) -> Path:
     """What a node needs to train: the code, the tokenizer and its own data file."""
     skip = shutil.ignore_patterns("__pycache__", "*.jsonl", "*.bin")
-    for package in ("trainer", "model", "dataset"):
+    for package in ("common", "trainer", "model", "dataset"):
         shutil.copytree(REPO_ROOT / package, dest / package, ignore=skip)
     write_jsonl(dest / "dataset" / "small.jsonl", [f"{SAMPLE_TEXTS[i % len(SAMPLE_TEXTS)]} #{i}" for i in range(300)])
     return dest
