@@ -5,7 +5,9 @@
     torchrun --nnodes=2 --node_rank=R --master_addr=A --master_port=P --nproc_per_node=N trainer/train_pretrain.py
     python -m torch.distributed.launch --nproc_per_node=N trainer/train_pretrain.py   # legacy launcher
 
-Read it top to bottom: main() sets up (sections 1-5), then trains (section 6).
+Read it top to bottom: train() sets up (sections 1-5), then trains (section 6). One
+optimizer step is trainer/step.py; where the run is, and where that is in the data,
+is trainer/train_state.py.
 """
 import os
 import sys
@@ -25,14 +27,16 @@ from trainer.checkpoint import (  # noqa: E402
     _atomic_write_text, atomic_torch_save, load_latest_checkpoint, restore_model_and_optimizer, restore_rng_state,
     run_prefix, save_checkpoint,
 )
-from trainer.data import ResumableDistributedSampler, build_data, make_train_loader, make_val_loader, to_targets  # noqa: E402
+from trainer.data import (  # noqa: E402
+    ResumableDistributedSampler, build_data, make_train_loader, make_val_loader, to_targets,
+)
 from trainer.metrics import RunLogger, Throughput, TrainRow, device_peak_flops, flops_per_token  # noqa: E402
 from trainer.optim import OptimConfig, build_optimizer, describe, peak_lrs, set_lr  # noqa: E402
 from trainer.parallel import full_state_dict, local_state_mib, weights_finite, wrap_model  # noqa: E402
 from trainer.preflight import check_device, check_output_dirs  # noqa: E402
 from trainer.resilience import FaultPlan, PreemptionFlag  # noqa: E402
 from trainer.save_schedule import SaveSchedule  # noqa: E402
-from trainer.settings import resolve_settings  # noqa: E402
+from trainer.settings import RunSettings, resolve_settings  # noqa: E402
 from trainer.step import StepContext, StepTotals, optimizer_step  # noqa: E402
 from trainer.train_state import TrainState, plan_steps  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
@@ -141,14 +145,39 @@ class RunFiles:
     sharded: bool  # FSDP: every rank writes its own shards (DCP)
 
 
-def resume(state: TrainState, model, optimizer, scaler, config, files: RunFiles, rank: int) -> bool:
+@dataclass(frozen=True)
+class TrainParts:
+    """What the optimizer updates, and what a checkpoint saves besides the TrainState."""
+    model: torch.nn.Module  # the MiniMindForCausalLM (sharded in place under FSDP)
+    net: torch.nn.Module  # the module the loop calls: DDP, FSDP or torch.compile around the model
+    optimizer: torch.optim.Optimizer
+    peaks: dict  # each parameter group's peak learning rate
+    scaler: torch.amp.GradScaler
+
+
+def build_parts(args, env, config, settings: RunSettings) -> TrainParts:
+    # The same initial weights on every rank: FSDP shards them as they are, with no
+    # broadcast from rank 0 as DDP does. Per-rank streams (dropout) are seeded after.
+    setup_seed(args.seed)
+    model = init_model(config, args.from_weight, env.device)
+    setup_seed(args.seed + env.rank)
+    # FSDP shards `model` in place, so the optimizer comes after.
+    net = wrap_model(model, env, args.parallel, settings.dtype, bool(args.use_compile), bool(args.grad_checkpointing))
+    optim_config = OptimConfig.from_args(args, settings.optimizer)
+    optimizer, peaks = build_optimizer(model, optim_config), peak_lrs(optim_config)
+    Logger(describe(optimizer, peaks))
+    scaler = torch.amp.GradScaler(settings.device_type, enabled=settings.dtype == "float16")
+    return TrainParts(model, net, optimizer, peaks, scaler)
+
+
+def resume(state: TrainState, parts: TrainParts, config, files: RunFiles, rank: int) -> bool:
     """Load the newest usable checkpoint into the state, model, optimizer and scaler;
     False when there is none."""
     saved = load_latest_checkpoint(files.checkpoint_dir, files.prefix, config.to_dict())
     if saved is None:
         return False
-    restore_model_and_optimizer(saved, model, optimizer)
-    scaler.load_state_dict(saved["scaler"])
+    restore_model_and_optimizer(saved, parts.model, parts.optimizer)
+    parts.scaler.load_state_dict(saved["scaler"])
     plan = state.plan
     if saved["world_size"] == plan.world_size:
         restore_rng_state(saved["rng"][rank])
@@ -162,14 +191,27 @@ def resume(state: TrainState, model, optimizer, scaler, config, files: RunFiles,
     return True
 
 
-def save_run(state: TrainState, model, optimizer, scaler, config, files: RunFiles):
+def save_run(state: TrainState, parts: TrainParts, config, files: RunFiles):
     """The inference weights and a resume checkpoint at state.global_step (every rank calls it)."""
     # A checkpoint of NaNs would push a good one out of the rotation: refuse to write it.
-    if not weights_finite(model):
+    if not weights_finite(parts.model):
         raise RuntimeError("model weights are not finite; refusing to save a checkpoint")
-    save_weights(model, files, files.prefix)
-    save_checkpoint({"scaler": scaler.state_dict(), **state.state_dict(), "model_config": config.to_dict()},
-                    model, optimizer, files.checkpoint_dir, files.prefix, files.keep_last, files.sharded)
+    save_weights(parts.model, files, files.prefix)
+    save_checkpoint({"scaler": parts.scaler.state_dict(), **state.state_dict(), "model_config": config.to_dict()},
+                    parts.model, parts.optimizer, files.checkpoint_dir, files.prefix, files.keep_last, files.sharded)
+
+
+def count_bad_step(skipped: bool, bad_steps: int, step: int, max_bad_steps: int) -> int:
+    """Consecutive skipped updates so far; too many in a row end the run."""
+    if not skipped:
+        return 0
+    bad_steps += 1
+    Logger(f"step {step}: non-finite loss or gradient norm on some rank; update skipped "
+           f"({bad_steps}/{max_bad_steps} in a row)")
+    if bad_steps >= max_bad_steps:
+        raise UserError(f"{bad_steps} consecutive non-finite steps (--max_bad_steps {max_bad_steps}); "
+                        f"lower --learning_rate or check the data; the last good checkpoint is kept")
+    return bad_steps
 
 
 def train(args, env) -> int:
@@ -190,24 +232,15 @@ def train(args, env) -> int:
     total_steps = plan.total_steps
 
     # ------------------------------------------------------------------ 3. model, parallelism, optimizer
-    # The same initial weights on every rank: FSDP shards them as they are, with no
-    # broadcast from rank 0 as DDP does. Per-rank streams (dropout) are seeded after.
-    setup_seed(args.seed)
-    model = init_model(config, args.from_weight, env.device)
-    setup_seed(args.seed + rank)
-    active_params = count_parameters(model)[1]
-    # FSDP shards `model` in place, so the optimizer comes after.
-    net = wrap_model(model, env, args.parallel, settings.dtype, bool(args.use_compile), bool(args.grad_checkpointing))
-    optim_config = OptimConfig.from_args(args, settings.optimizer)
-    optimizer, peaks = build_optimizer(model, optim_config), peak_lrs(optim_config)
-    Logger(describe(optimizer, peaks))
-    scaler = torch.amp.GradScaler(settings.device_type, enabled=settings.dtype == "float16")
+    parts = build_parts(args, env, config, settings)
+    model, optimizer = parts.model, parts.optimizer
+    flops_token = flops_per_token(config, count_parameters(model)[1], args.max_seq_len)
 
     # ------------------------------------------------------------------ 4. resume
-    files = RunFiles(args.save_dir, args.checkpoint_dir, run_prefix(args.save_weight, config.hidden_size, config.use_moe),
-                     args.keep_last, settings.sharded)
+    prefix = run_prefix(args.save_weight, config.hidden_size, config.use_moe)
+    files = RunFiles(args.save_dir, args.checkpoint_dir, prefix, args.keep_last, settings.sharded)
     state = TrainState(plan)
-    if args.from_resume and resume(state, model, optimizer, scaler, config, files, rank):
+    if args.from_resume and resume(state, parts, config, files, rank):
         if state.global_step >= total_steps:
             # Saving now would re-label the checkpoint in this run's step units; leave it be.
             Logger(f"nothing left to train: the checkpoint is at step {state.global_step} of {total_steps} "
@@ -221,21 +254,21 @@ def train(args, env) -> int:
     loader = make_train_loader(data.train, sampler, args, pin)
     val_loader = make_val_loader(data.val, args, rank, world_size, pin) if data.val is not None else None
     byte_lengths = token_byte_lengths(tokenizer, config.vocab_size).to(env.device)
-    log = RunLogger(args, files.prefix, state, settings.as_flags(args), is_main_process(), env.device)
+    log = RunLogger(args, prefix, state, settings.as_flags(args), is_main_process(), env.device)
     state.wandb_run_id = log.wandb_run_id
     saves = SaveSchedule(args.save_interval, args.save_every_minutes, args.log_interval, env.device)
     preempt, faults = PreemptionFlag(), FaultPlan.from_env(rank)
     preempt.install()
     throughput = Throughput(plan.samples_per_step * args.max_seq_len, env.device)
     peak = device_peak_flops(env.device, args.peak_tflops)
-    flops_token = flops_per_token(config, active_params, args.max_seq_len)
     Logger(f"world_size={world_size} micro_batch={args.batch_size} accumulation={plan.accumulation_steps} "
            f"global_batch={plan.samples_per_step} steps/epoch={plan.steps_per_epoch} total_steps={total_steps} "
            f"dtype={settings.dtype} device={env.device} parallel={args.parallel if env.distributed else 'none'}")
-    step_context = StepContext(
-        net, optimizer, scaler, env.device, world_size, autocast, labels_are_shifted=data.labels_are_shifted,
-        doc_mask=bool(args.doc_mask), bos_id=tokenizer.bos_token_id, grad_clip=args.grad_clip,
-        tokens_known=data.labels_are_shifted)  # packed windows: no padding, every position is a target
+    # Packed windows have no padding: every position is a target, so the token count is known.
+    step_context = StepContext(parts.net, optimizer, parts.scaler, env.device, world_size, autocast,
+                               labels_are_shifted=data.labels_are_shifted, doc_mask=bool(args.doc_mask),
+                               bos_id=tokenizer.bos_token_id, tokens_known=data.labels_are_shifted,
+                               grad_clip=args.grad_clip)
 
     # ------------------------------------------------------------------ 6. train
     bad_steps, totals, read_at_step = 0, StepTotals(env.device), start_step
@@ -244,9 +277,9 @@ def train(args, env) -> int:
         sampler.set_epoch(where.epoch)
         sampler.set_start(where.sampler_start)
         batches = iter(loader)
-        for _ in range(where.step_in_epoch, min(plan.steps_per_epoch, where.step_in_epoch + total_steps - state.global_step)):
+        for _ in range(min(plan.steps_per_epoch - where.step_in_epoch, total_steps - state.global_step)):
             faults.crash_before(state.global_step, rank)
-            lrs = set_lr(optimizer, peaks, state.global_step, total_steps, args.warmup_steps)
+            lrs = set_lr(optimizer, parts.peaks, state.global_step, total_steps, args.warmup_steps)
             micro_batches = [next(batches) for _ in range(plan.accumulation_steps)]
             result = optimizer_step(step_context, micro_batches, poison=faults.poisons(state.global_step),
                                     preempt_requested=preempt.requested)
@@ -257,13 +290,7 @@ def train(args, env) -> int:
             step = state.global_step
             totals.add(result)
             log.step_done()
-            bad_steps = bad_steps + 1 if result.skipped else 0
-            if result.skipped:
-                Logger(f"step {step}: non-finite loss or gradient norm on some rank; update skipped "
-                       f"({bad_steps}/{args.max_bad_steps} in a row)")
-                if bad_steps >= args.max_bad_steps:
-                    raise UserError(f"{bad_steps} consecutive non-finite steps (--max_bad_steps {args.max_bad_steps}); "
-                                    f"lower --learning_rate or check the data; the last good checkpoint is kept")
+            bad_steps = count_bad_step(result.skipped, bad_steps, step, args.max_bad_steps)
 
             last, stop = step == total_steps, result.stop
             log_now = step % args.log_interval == 0 or last
@@ -282,18 +309,18 @@ def train(args, env) -> int:
             with throughput.paused(eval_now or save_now):  # tokens/s and MFU count training time only
                 if eval_now:
                     with log.untimed():
-                        val_loss, val_bpb = evaluate(net, val_loader, autocast, env.device,
+                        val_loss, val_bpb = evaluate(parts.net, val_loader, autocast, env.device,
                                                      data.val_labels_are_shifted, byte_lengths)
                     log.log_val(step, state.tokens_seen, val_loss, val_bpb)
                 if save_now:
-                    save_run(state, model, optimizer, scaler, config, files)
+                    save_run(state, parts, config, files)
                     saves.saved()
             if stop:
                 Logger(f"preempted: saved step {step} to {args.checkpoint_dir}; resume with --from_resume 1")
                 log.close()
                 return 128 + (preempt.signum or 15)
     log.close()
-    Logger(f"done: {state.global_step} steps, {state.tokens_seen:,} tokens; weights in {args.save_dir}/{files.prefix}.pth")
+    Logger(f"done: {state.global_step} steps, {state.tokens_seen:,} tokens; weights in {args.save_dir}/{prefix}.pth")
     return 0
 
 
