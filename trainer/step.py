@@ -110,17 +110,21 @@ class StepTotals:
         self.window = torch.zeros(3, dtype=torch.float64, device=device)  # StepResult.stats summed over updates
         self.updates = 0
         self.tokens = torch.zeros((), dtype=torch.float64, device=device)  # every step's, since the last read
+        self.steps = 0  # since the last read
 
     def add(self, result: StepResult):
         self.tokens += result.stats[2]
+        self.steps += 1
         if not result.skipped:  # a skipped step's NaN loss would hide the others' in the mean
             self.window += result.stats
             self.updates += 1
 
-    def take_tokens(self) -> int:
-        tokens = int(self.tokens.item())
+    def take_tokens(self) -> tuple[int, int]:
+        """(tokens, steps) since the last call."""
+        tokens, steps = int(self.tokens.item()), self.steps
         self.tokens.zero_()
-        return tokens
+        self.steps = 0
+        return tokens, steps
 
     def take_window(self) -> tuple[float, float]:
         """(token-weighted mean loss, mean aux loss) over the updates since the last call."""

@@ -271,7 +271,7 @@ def train(args, env) -> int:
                                grad_clip=args.grad_clip)
 
     # ------------------------------------------------------------------ 6. train
-    bad_steps, totals, read_at_step = 0, StepTotals(env.device), start_step
+    bad_steps, totals = 0, StepTotals(env.device)
     while state.global_step < total_steps:
         where = plan.position(state.global_step)
         sampler.set_epoch(where.epoch)
@@ -297,10 +297,9 @@ def train(args, env) -> int:
             eval_now = val_loader is not None and (last or (args.eval_interval and step % args.eval_interval == 0))
             save_now = saves.due(step) or last or stop  # due() first: every rank calls it every step
             if log_now or eval_now or save_now:  # steps that read the device anyway
-                new_tokens = totals.take_tokens()
+                new_tokens, steps = totals.take_tokens()
                 state.tokens_seen += new_tokens
-                throughput.add(new_tokens, steps=step - read_at_step)
-                read_at_step = step
+                throughput.add(new_tokens, steps=steps)
             if log_now:
                 loss, aux = totals.take_window()
                 tok_s, real_tok_s = throughput.report()
