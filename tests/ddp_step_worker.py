@@ -1,4 +1,4 @@
-"""Run one `optimizer_step` of train_pretrain.py on fixed batches, as 1 process or
+"""Run one `optimizer_step` of the trainer on fixed batches, as 1 process or
 under torchrun, and save the loss and the updated weights for comparison.
 
     python tests/ddp_step_worker.py OUT.pt BATCH ACCUM      (or under torchrun)
@@ -8,16 +8,14 @@ noise in near-zero gradients into lr-sized differences; with SGD the updated wei
 are a direct, amplified image of the averaged gradients.
 """
 import sys
-from contextlib import nullcontext
 from pathlib import Path
-from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
-from trainer.train_pretrain import optimizer_step  # noqa: E402
+from trainer.step import StepContext, optimizer_step  # noqa: E402
 from trainer.trainer_utils import cleanup_distributed, init_distributed_mode  # noqa: E402
 
 GLOBAL_BATCH, SEQ = 8, 32
@@ -46,9 +44,8 @@ def main(out_path, batch, accum):
     mine = list(range(env.rank, GLOBAL_BATCH, env.world_size))
     micro = [(ids[mine[i * batch:(i + 1) * batch]], labels[mine[i * batch:(i + 1) * batch]]) for i in range(accum)]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    args = SimpleNamespace(grad_clip=0, doc_mask=0)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    result = optimizer_step(net, optimizer, scaler, micro, args, env, False, nullcontext(), False, False, 1)
+    result = optimizer_step(StepContext(net, optimizer, scaler, env.device, env.world_size, bos_id=1), micro)
     if env.rank == 0:
         torch.save({"loss": result.mean_loss(), "weights": model.state_dict()}, out_path)
     del net, model, optimizer

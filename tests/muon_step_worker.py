@@ -1,4 +1,4 @@
-"""Run STEPS `optimizer_step`s of train_pretrain.py with --optimizer muon on fixed
+"""Run STEPS `optimizer_step`s of the trainer with --optimizer muon on fixed
 batches, as 1 process or under torchrun (DDP or FSDP), and save the loss and weights.
 
     python tests/muon_step_worker.py OUT.pt ddp|fsdp      (or under torchrun)
@@ -7,9 +7,7 @@ Every rank sees its half of the same global batch, so a correct data-parallel Mu
 (the orthogonalisation of the averaged, full gradient) matches one process on the whole batch.
 """
 import sys
-from contextlib import nullcontext
 from pathlib import Path
-from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -18,7 +16,7 @@ import torch  # noqa: E402
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
 from trainer.optim import OptimConfig, build_optimizer  # noqa: E402
 from trainer.parallel import full_state_dict, wrap_model  # noqa: E402
-from trainer.train_pretrain import optimizer_step  # noqa: E402
+from trainer.step import StepContext, optimizer_step  # noqa: E402
 from trainer.trainer_utils import cleanup_distributed, init_distributed_mode  # noqa: E402
 
 GLOBAL_BATCH, SEQ, STEPS = 8, 32, 3
@@ -34,17 +32,15 @@ def main(out_path, parallel):
     env = init_distributed_mode("cpu")
     torch.manual_seed(0)
     model = MiniMindForCausalLM(MiniMindConfig(hidden_size=64, num_hidden_layers=2, vocab_size=512))
-    args = SimpleNamespace(grad_clip=0, doc_mask=0, grad_checkpointing=0, use_compile=0, parallel=parallel,
-                           dtype="float32")
-    net = wrap_model(model, args, env)
+    net = wrap_model(model, env, parallel, dtype="float32")
     optimizer = build_optimizer(model, OptimConfig(optimizer="muon", lr=1e-2, muon_lr=0.02))
     scaler = torch.amp.GradScaler("cpu", enabled=False)
+    ctx = StepContext(net, optimizer, scaler, env.device, env.world_size, bos_id=1)
     mine = list(range(env.rank, GLOBAL_BATCH, env.world_size))
     losses = []
     for step in range(STEPS):
         ids, labels = batch(step)
-        result = optimizer_step(net, optimizer, scaler, [(ids[mine], labels[mine])], args, env, False,
-                                nullcontext(), False, False, 1)
+        result = optimizer_step(ctx, [(ids[mine], labels[mine])])
         losses.append(result.mean_loss())
     weights = full_state_dict(model)
     if env.rank == 0:

@@ -13,7 +13,8 @@ import torch
 
 from tests.launch_utils import CountHostReads, out_args, small_corpus
 from trainer.args import parse_args
-from trainer.train_pretrain import read_flags, train
+from trainer.step import read_flags
+from trainer.train_pretrain import train
 from trainer.trainer_utils import init_distributed_mode
 
 FAR = "1000"  # log, save and eval intervals beyond the run: only the last step does them

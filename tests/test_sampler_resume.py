@@ -1,5 +1,5 @@
 """ResumableDistributedSampler: sharding and set_start; resuming on another world size
-with the trainer's own arithmetic (no sample seen twice or skipped); then the same
+with the trainer's own plan and train state (no sample seen twice or skipped); then the same
 end to end: 2 processes to step 4, resumed by 1 process."""
 import math
 import re
@@ -11,7 +11,8 @@ import pytest
 from torch.utils.data import Dataset
 
 from tests.launch_utils import TINY, latest_checkpoint, out_args, read_metrics, run_training
-from trainer.data import ResumableDistributedSampler, make_train_loader, resume_step
+from trainer.data import ResumableDistributedSampler, make_train_loader
+from trainer.train_state import TrainState, plan_steps, resume_step
 
 N = 203  # odd, and not a multiple of any global batch below: DistributedSampler pads, steps leave a tail
 SEED = 42
@@ -77,31 +78,38 @@ def test_set_start_skips_exactly_the_first_k_of_a_share(world, k):
 
 
 # ---------------------------------------------------------------------------- resume across world sizes
+def step_plan(world, batch, accum, n=N):
+    """The trainer's own plan for this topology (as plan_steps makes it from the flags)."""
+    flags = SimpleNamespace(batch_size=batch, accumulation_steps=accum, global_batch_size=0, max_steps=0,
+                            epochs=1, data_path="indices")
+    return plan_steps(flags, n, world)
+
+
 def consumed(world, batch, accum, start_step, end_step, n=N):
     """Section 6 of train_pretrain.py without the model: every rank's sampler and
-    loader driven as the loop drives them. Returns {global step: set of samples}."""
+    loader driven as the loop drives them, placed by the plan's own position(). Returns
+    {global step: (epoch, set of samples)} and the plan."""
     dataset = Indices(n)
-    samples_per_step = batch * world * accum
-    steps_per_epoch = n // samples_per_step
+    plan = step_plan(world, batch, accum, n)
     loader_args = SimpleNamespace(batch_size=batch, num_workers=0)
     samplers = [ResumableDistributedSampler(dataset, world, rank, seed=SEED) for rank in range(world)]
     loaders = [make_train_loader(dataset, s, loader_args, pin_memory=False) for s in samplers]
     steps, global_step = {}, start_step
     while global_step < end_step:
-        epoch, step_in_epoch = divmod(global_step, steps_per_epoch)
+        where = plan.position(global_step)
         batches = []
         for sampler, loader in zip(samplers, loaders):
-            sampler.set_epoch(epoch)
-            sampler.set_start(step_in_epoch * batch * accum)  # the loop's line
+            sampler.set_epoch(where.epoch)
+            sampler.set_start(where.sampler_start)
             batches.append(iter(loader))
-        for _ in range(step_in_epoch, steps_per_epoch):
+        for _ in range(where.step_in_epoch, plan.steps_per_epoch):
             if global_step >= end_step:
                 break
             taken = [i for it in batches for _ in range(accum) for i in next(it).tolist()]
-            assert len(taken) == len(set(taken)) == samples_per_step
-            steps[global_step] = (epoch, set(taken))
+            assert len(taken) == len(set(taken)) == plan.samples_per_step
+            steps[global_step] = (where.epoch, set(taken))
             global_step += 1
-    return steps, steps_per_epoch
+    return steps, plan
 
 
 def epoch_order(epoch, n=N):
@@ -110,16 +118,17 @@ def epoch_order(epoch, n=N):
 
 def resume(saved_step, old, new):
     """Train `old` = (world, batch, accum) to saved_step, resume with `new` to the end of
-    that epoch, as section 4 does: returns the samples of that epoch in order of use."""
-    old_steps, old_per_epoch = consumed(*old, 0, saved_step)
-    epoch, step_in_epoch = divmod(saved_step, old_per_epoch)  # what checkpoint() records
-    old_sps, new_sps = old[0] * old[1] * old[2], new[0] * new[1] * new[2]
-    new_per_epoch = N // new_sps
-    start = epoch * new_per_epoch + resume_step(step_in_epoch, old_sps, new_sps)
-    new_steps, _ = consumed(*new, start, (epoch + 1) * new_per_epoch)
+    that epoch through the trainer's TrainState (what a checkpoint saves, and how a
+    resume reads it): returns the samples of that epoch in order of use."""
+    old_steps, old_plan = consumed(*old, 0, saved_step)
+    saved = TrainState(old_plan, global_step=saved_step).state_dict()
+    resumed = TrainState(step_plan(*new))
+    resumed.load_state_dict(saved)
+    epoch, new_plan = saved["epoch"], resumed.plan
+    new_steps, _ = consumed(*new, resumed.global_step, (epoch + 1) * new_plan.steps_per_epoch)
     before = [s for e, s in old_steps.values() if e == epoch]
     after = [s for e, s in new_steps.values() if e == epoch]
-    return epoch, before, after, new_per_epoch * new_sps
+    return epoch, before, after, new_plan.steps_per_epoch * new_plan.samples_per_step
 
 
 @pytest.mark.parametrize("saved_step", [5, 25 + 3])  # in epoch 0, and in epoch 1 (25 steps of 8 per epoch)

@@ -1,11 +1,7 @@
 """Datasets, the resumable sampler and the loaders of train_pretrain.py.
 
-Why every run -- one process or many -- goes through a DistributedSampler: rank r
-of W reads positions r, r+W, r+2W, ... of one shared per-epoch permutation, and a
-micro-batch takes b consecutive positions of a rank's share. An optimizer step of
-A micro-batches therefore covers exactly the global positions [k*G, (k+1)*G) with
-G = b*W*A, whatever W is. That makes resuming on another world size a matter of
-skipping k*G positions, and with a fixed G the sample order is topology-invariant.
+trainer/train_state.py says why every run, one process or many, reads its samples
+through a DistributedSampler, and where in the data each optimizer step starts.
 """
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,17 +31,6 @@ class ResumableDistributedSampler(DistributedSampler):
 
     def __len__(self):
         return self.num_samples - self.start
-
-
-def resume_step(saved_step_in_epoch: int, saved_samples_per_step: int, samples_per_step: int) -> int:
-    """The step within the saved epoch to resume at, in this run's step size.
-
-    The saved run consumed saved_step_in_epoch * saved_samples_per_step positions of
-    the epoch's permutation; with a different world size (or batch, or accumulation)
-    that is re-expressed in steps of samples_per_step, rounded down: a partly covered
-    step is redone (up to samples_per_step - 1 samples seen twice), never skipped.
-    """
-    return saved_step_in_epoch * saved_samples_per_step // samples_per_step
 
 
 @dataclass
@@ -101,32 +86,6 @@ def build_data(args, tokenizer, vocab_size: int) -> TrainData:
     # The tail is held out, so the split is the same on every rank and every run.
     n_train = len(full) - n_val
     return TrainData(Subset(full, range(n_train)), Subset(full, range(n_train, len(full))), shifted)
-
-
-@dataclass
-class StepPlan:
-    accumulation_steps: int
-    samples_per_step: int  # the global batch: micro-batch x world size x accumulation
-    steps_per_epoch: int  # whole global batches only: the ragged tail of an epoch is dropped
-    total_steps: int
-
-
-def plan_steps(args, num_samples: int, world_size: int) -> StepPlan:
-    """How many samples an optimizer step takes, and how many steps the run makes."""
-    if args.global_batch_size:
-        per_micro_step = args.batch_size * world_size
-        if args.global_batch_size % per_micro_step:
-            raise UserError(f"--global_batch_size {args.global_batch_size} is not a multiple of --batch_size "
-                            f"{args.batch_size} x {world_size} processes = {per_micro_step}")
-        args.accumulation_steps = args.global_batch_size // per_micro_step
-    accum = args.accumulation_steps
-    samples_per_step = args.batch_size * world_size * accum
-    steps_per_epoch = num_samples // samples_per_step
-    if steps_per_epoch == 0:
-        raise UserError(f"--data_path {args.data_path}: {num_samples} training samples, fewer than one global "
-                        f"batch of {samples_per_step} (--batch_size {args.batch_size} x {world_size} processes x "
-                        f"{accum} accumulation steps); lower --batch_size or add data")
-    return StepPlan(accum, samples_per_step, steps_per_epoch, args.max_steps or args.epochs * steps_per_epoch)
 
 
 def make_train_loader(dataset, sampler, args, pin_memory: bool) -> DataLoader:

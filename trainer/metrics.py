@@ -18,6 +18,7 @@ import resource
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
@@ -121,28 +122,45 @@ def _wandb_key_available() -> bool:
         return False
 
 
-class RunLogger:
-    """No-op on ranks other than 0, so the loop can call it unconditionally."""
+@dataclass(frozen=True)
+class TrainRow:
+    """The training figures of one log line."""
+    step: int
+    epoch: int
+    loss: float
+    aux: float
+    lrs: dict  # {param group name: lr}
+    tokens_seen: int
+    tok_s: float
+    real_tok_s: float
+    mfu: float | None = None
 
-    def __init__(self, args, prefix: str, enabled: bool, start_step: int, total_steps: int,
-                 wandb_run_id: str | None = None, device: str = "cpu"):
+
+class RunLogger:
+    """No-op on ranks other than 0, so the loop can call it unconditionally.
+
+    `state`: the run's TrainState (where it starts, its plan, its wandb run id);
+    `config`: the flags as the run resolved them, recorded by wandb."""
+
+    def __init__(self, args, prefix: str, state, config: dict, enabled: bool, device: str = "cpu"):
         self.enabled = enabled
         self.device = device
-        self.total_steps = total_steps
-        self.start_step = start_step
+        self.total_steps = state.plan.total_steps
+        self.epochs = state.plan.epochs
+        self.start_step = start_step = state.global_step
         self.start_time = time.time()
         self.untimed_s = 0.0
         self.wandb = None
-        self.wandb_run_id = wandb_run_id
+        self.wandb_run_id = state.wandb_run_id
         if not enabled:
             return
         os.makedirs(args.save_dir, exist_ok=True)
         self.path = os.path.join(args.save_dir, f"{prefix}_metrics.jsonl")
         self._truncate_after(start_step if args.from_resume else -1)
-        self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True,
+        self.bar = tqdm(total=self.total_steps, initial=start_step, desc="train", dynamic_ncols=True,
                         disable=not sys.stderr.isatty())
         if args.use_wandb:
-            self._start_wandb(args, prefix)
+            self._start_wandb(args.wandb_project, prefix, args.save_dir, config)
 
     def _truncate_after(self, step: int):
         """Drop rows a resumed run will redo (all rows for a fresh run)."""
@@ -154,13 +172,12 @@ class RunLogger:
         with open(self.path, "w") as f:
             f.writelines(kept)
 
-    def _start_wandb(self, args, prefix):
+    def _start_wandb(self, project: str, prefix: str, save_dir: str, config: dict):
         import wandb
 
         if os.environ.get("WANDB_MODE") != "online" and not _wandb_key_available():
             os.environ["WANDB_MODE"] = "offline"  # log locally; `wandb sync` uploads later
-        init = dict(project=args.wandb_project, name=prefix, id=self.wandb_run_id, resume="allow",
-                    dir=args.save_dir, config=vars(args))
+        init = dict(project=project, name=prefix, id=self.wandb_run_id, resume="allow", dir=save_dir, config=config)
         try:
             self.wandb = wandb.init(**init)
         except Exception as exc:  # a key but no route to the server must not cost the run
@@ -186,22 +203,22 @@ class RunLogger:
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=row["step"])
 
-    def log_train(self, step, epoch, epochs, loss, aux, lrs: dict, tokens_seen, tok_s, real_tok_s, mfu=None):
-        """`lrs`: {param group name: lr}; "lr" in the row is the first group's, "lr_<name>" each group's."""
+    def log_train(self, r: TrainRow):
+        """"lr" in the row is the first group's, "lr_<name>" each group's."""
         if not self.enabled:
             return
         memory = peak_memory_mib(self.device)
-        row = {"kind": "train", "step": step, "epoch": epoch, "tokens_seen": tokens_seen, "loss": loss,
-               "aux_loss": aux, "lr": next(iter(lrs.values())), **{f"lr_{k}": v for k, v in lrs.items()},
-               "tokens_per_s": tok_s, "nonpad_tokens_per_s": real_tok_s, "peak_mem_mib": memory}
-        lr_text = " ".join(f"{k}={v:.2e}" for k, v in lrs.items())
+        row = {"kind": "train", "step": r.step, "epoch": r.epoch, "tokens_seen": r.tokens_seen, "loss": r.loss,
+               "aux_loss": r.aux, "lr": next(iter(r.lrs.values())), **{f"lr_{k}": v for k, v in r.lrs.items()},
+               "tokens_per_s": r.tok_s, "nonpad_tokens_per_s": r.real_tok_s, "peak_mem_mib": memory}
+        lr_text = " ".join(f"{k}={v:.2e}" for k, v in r.lrs.items())
         mfu_text = ""
-        if mfu is not None:
-            row["mfu"] = mfu
-            mfu_text = f" mfu {mfu:.1%}"
-        self.log(row, f"epoch {epoch + 1}/{epochs} step {step}/{self.total_steps} loss {loss:.4f} aux {aux:.4f} "
-                      f"lr {lr_text} tok/s {tok_s:,.0f} (non-pad {real_tok_s:,.0f}){mfu_text} "
-                      f"mem {memory:,.0f}MiB eta {self.eta(step)}")
+        if r.mfu is not None:
+            row["mfu"] = r.mfu
+            mfu_text = f" mfu {r.mfu:.1%}"
+        self.log(row, f"epoch {r.epoch + 1}/{self.epochs} step {r.step}/{self.total_steps} loss {r.loss:.4f} "
+                      f"aux {r.aux:.4f} lr {lr_text} tok/s {r.tok_s:,.0f} (non-pad {r.real_tok_s:,.0f}){mfu_text} "
+                      f"mem {memory:,.0f}MiB eta {self.eta(r.step)}")
 
     def log_val(self, step, tokens_seen, val_loss, val_bpb):
         self.log({"kind": "val", "step": step, "tokens_seen": tokens_seen, "val_loss": val_loss, "val_bpb": val_bpb,

@@ -109,8 +109,9 @@ class OptimConfig:
     fused: bool = True              # fused AdamW (CPU and CUDA); off for the exact-reference tests
 
     @classmethod
-    def from_args(cls, args) -> "OptimConfig":
-        return cls(optimizer=args.optimizer, param_groups=args.param_groups, lr=args.learning_rate,
+    def from_args(cls, args, optimizer: str) -> "OptimConfig":
+        """`optimizer`: --optimizer as resolved for this machine (never auto)."""
+        return cls(optimizer=optimizer, param_groups=args.param_groups, lr=args.learning_rate,
                    weight_decay=args.weight_decay, muon_lr=args.muon_lr, muon_momentum=args.muon_momentum)
 
 

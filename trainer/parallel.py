@@ -10,21 +10,23 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 
-def wrap_model(model, args, env):
+def wrap_model(model, env, parallel: str = "ddp", dtype: str = "float32", use_compile: bool = False,
+               grad_checkpointing: bool = False):
     """Returns the module the loop calls. With DDP `model` stays the plain
-    MiniMindForCausalLM; FSDP shards it in place (its parameters become DTensors)."""
-    model.model.gradient_checkpointing = bool(args.grad_checkpointing)
+    MiniMindForCausalLM; FSDP shards it in place (its parameters become DTensors).
+    `dtype`: the run's resolved autocast dtype (never "auto")."""
+    model.model.gradient_checkpointing = grad_checkpointing
     if not env.distributed:
-        return torch.compile(model) if args.use_compile else model
-    if args.parallel == "fsdp":
-        return shard_model(model, args, env)
+        return torch.compile(model) if use_compile else model
+    if parallel == "fsdp":
+        return shard_model(model, env, dtype, use_compile)
     # device_ids only on CUDA: with gloo on CPU there is no device to pin.
     device_ids = [env.local_rank] if env.device.startswith("cuda") else None
     net = DistributedDataParallel(model, device_ids=device_ids, **no_buffer_sync())
     # Compiled after wrapping, dynamo's DDP optimizer cuts the graph at DDP's bucket
     # boundaries, so each bucket's all-reduce overlaps the rest of the backward; a model
     # compiled first would run its whole backward as one node, and all-reduce only after it.
-    return torch.compile(net) if args.use_compile else net
+    return torch.compile(net) if use_compile else net
 
 
 def no_buffer_sync(ddp_class=DistributedDataParallel) -> dict:
@@ -38,7 +40,7 @@ def no_buffer_sync(ddp_class=DistributedDataParallel) -> dict:
     return {"broadcast_buffers": False}
 
 
-def shard_model(model, args, env):
+def shard_model(model, env, dtype: str, use_compile: bool = False):
     """FSDP2: one shard group per transformer block, and the root for the rest
     (the tied embedding / lm_head, the final norm). A block's full weights exist
     only while it computes, so memory per rank falls with the world size.
@@ -47,11 +49,11 @@ def shard_model(model, args, env):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy()
-    if env.device.startswith("cuda") and args.dtype == "bfloat16":
+    if env.device.startswith("cuda") and dtype == "bfloat16":
         # Compute in bf16, keep fp32 master weights and reduce gradients in fp32.
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.model.layers:
-        if args.use_compile:
+        if use_compile:
             block.compile()
         fully_shard(block, mp_policy=policy)
     return fully_shard(model, mp_policy=policy)

@@ -5,7 +5,7 @@ here. The training loop all-reduces that flag once per optimizer step, so every
 rank sees the request at the same step, saves together and exits together; a
 rank that acted alone would leave its peers waiting in a collective.
 
-Fault injection is a testing aid, read from the environment by the trainer only:
+Fault injection is a testing aid, read from the environment once, by the trainer only:
 
     MINIMIND_FAULT_AT_STEP=k    global step at which to misbehave
     MINIMIND_FAULT_RANK=r       which rank misbehaves (default 0)
@@ -20,6 +20,7 @@ is 0 or unset), so a restarted group runs clean.
 import os
 import signal
 import time
+from dataclasses import dataclass
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -55,23 +56,34 @@ class PreemptionFlag:
         return self.signum != 0
 
 
-def _fault_planned(global_step: int, rank: int, kinds) -> bool:
-    at = os.environ.get("MINIMIND_FAULT_AT_STEP")
-    if at is None or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return False
-    kind = os.environ.get("MINIMIND_FAULT_KIND", "kill")
-    if kind not in kinds or rank != int(os.environ.get("MINIMIND_FAULT_RANK", "0")):
-        return False
-    return global_step >= int(at) if kind == "nan_forever" else global_step == int(at)
+@dataclass(frozen=True)
+class FaultPlan:
+    """This rank's injected fault, read from the environment once at start-up."""
+    kind: str | None = None  # None: no fault for this rank in this attempt
+    at_step: int = 0
 
+    @classmethod
+    def from_env(cls, rank: int, environ=os.environ) -> "FaultPlan":
+        at = environ.get("MINIMIND_FAULT_AT_STEP")
+        if at is None or environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+            return cls()
+        if rank != int(environ.get("MINIMIND_FAULT_RANK", "0")):
+            return cls()
+        return cls(environ.get("MINIMIND_FAULT_KIND", "kill"), int(at))
 
-def inject_crash(global_step: int, rank: int):
-    if _fault_planned(global_step, rank, ("kill",)):
-        print(f"[fault injection] rank {rank} SIGKILLs itself at step {global_step}", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-    if _fault_planned(global_step, rank, ("raise",)):
-        raise RuntimeError(f"[fault injection] rank {rank} raises at step {global_step}")
+    def _fires(self, global_step: int, kinds) -> bool:
+        if self.kind not in kinds:
+            return False
+        return global_step >= self.at_step if self.kind == "nan_forever" else global_step == self.at_step
 
+    def crash_before(self, global_step: int, rank: int):
+        """Die (kill) or raise (raise) before running `global_step`, if planned."""
+        if self._fires(global_step, ("kill",)):
+            print(f"[fault injection] rank {rank} SIGKILLs itself at step {global_step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self._fires(global_step, ("raise",)):
+            raise RuntimeError(f"[fault injection] rank {rank} raises at step {global_step}")
 
-def inject_nan(global_step: int, rank: int) -> bool:
-    return _fault_planned(global_step, rank, ("nan", "nan_forever"))
+    def poisons(self, global_step: int) -> bool:
+        """Whether this rank's loss is made NaN at `global_step`."""
+        return self._fires(global_step, ("nan", "nan_forever"))

@@ -5,13 +5,12 @@
     torchrun --nnodes=2 --node_rank=R --master_addr=A --master_port=P --nproc_per_node=N trainer/train_pretrain.py
     python -m torch.distributed.launch --nproc_per_node=N trainer/train_pretrain.py   # legacy launcher
 
-Read it top to bottom: main() sets up (sections 1-5), then trains (section 6).
+Read it top to bottom: train() sets up (sections 1-5), then trains (section 6). One
+optimizer step is trainer/step.py; where the run is, and where that is in the data,
+is trainer/train_state.py.
 """
-import argparse
-import math
 import os
 import sys
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,33 +20,31 @@ import torch  # noqa: E402
 
 from common.atomic import atomic_torch_save, atomic_write_text  # noqa: E402
 from common.errors import UserError  # noqa: E402
-from dataset.lm_dataset import DataError, load_tokenizer  # noqa: E402
-from dataset.packed_dataset import document_causal_mask  # noqa: E402
+from dataset.demo_corpus import DEMO_CORPUS  # noqa: E402
+from dataset.lm_dataset import load_tokenizer  # noqa: E402
 from dataset.token_bytes import bits_per_byte, target_bytes, token_byte_lengths  # noqa: E402
 from model.model_minimind import count_parameters  # noqa: E402
 from model.weights import run_prefix, sidecar_path, sidecar_text  # noqa: E402
-from dataset.demo_corpus import DEMO_CORPUS  # noqa: E402
 from trainer.args import check_args, parse_args  # noqa: E402
 from trainer.checkpoint import (  # noqa: E402
     load_latest_checkpoint, restore_model_and_optimizer, restore_rng_state, save_checkpoint,
 )
 from trainer.data import (  # noqa: E402
-    ResumableDistributedSampler, build_data, make_train_loader, make_val_loader, plan_steps, resume_step, to_targets,
+    ResumableDistributedSampler, build_data, make_train_loader, make_val_loader, to_targets,
 )
-from trainer.metrics import RunLogger, Throughput, device_peak_flops, flops_per_token  # noqa: E402
-from trainer.optim import (  # noqa: E402
-    OptimConfig, build_optimizer, describe, detect_dtype, detect_optimizer, peak_lrs, set_lr,
-)
-from trainer.parallel import (  # noqa: E402
-    as_local_scalar, full_state_dict, gradient_sync, local_state_mib, weights_finite, wrap_model,
-)
-from trainer.preflight import check_device, check_output_dirs  # noqa: E402
-from trainer.resilience import PreemptionFlag, inject_crash, inject_nan  # noqa: E402
-from trainer.save_schedule import SaveSchedule  # noqa: E402
 from trainer.distributed import (  # noqa: E402
     Logger, all_reduce_sum, barrier, cleanup_distributed, exit_peer_lost, fail, init_distributed_mode,
     is_main_process, peer_lost,
 )
+from trainer.metrics import RunLogger, Throughput, TrainRow, device_peak_flops, flops_per_token  # noqa: E402
+from trainer.optim import OptimConfig, build_optimizer, describe, peak_lrs, set_lr  # noqa: E402
+from trainer.parallel import full_state_dict, local_state_mib, weights_finite, wrap_model  # noqa: E402
+from trainer.preflight import check_device, check_output_dirs  # noqa: E402
+from trainer.resilience import FaultPlan, PreemptionFlag  # noqa: E402
+from trainer.save_schedule import SaveSchedule  # noqa: E402
+from trainer.settings import RunSettings, resolve_settings  # noqa: E402
+from trainer.step import StepContext, StepTotals, optimizer_step  # noqa: E402
+from trainer.train_state import TrainState, plan_steps  # noqa: E402
 from trainer.trainer_utils import init_model, model_config_from_args, setup_seed  # noqa: E402
 
 
@@ -80,8 +77,9 @@ def configure_cuda(device: str, dtype: torch.dtype):
 
 def save_weights(model, args, prefix):
     """MiniMind's inference format: a half-precision state_dict, written atomically by rank 0
-    (every rank takes part in gathering it when the model is sharded), with the model config
-    beside it as {prefix}.json so that the scripts need no shape flags."""
+    to {args.save_dir}/{prefix}.pth (every rank takes part in gathering it when the model is
+    sharded), with the model config beside it as {prefix}.json so that the scripts need no
+    shape flags. `args`: the flags, or anything else with a save_dir (RunFiles)."""
     weights = full_state_dict(model)
     if is_main_process():
         os.makedirs(args.save_dir, exist_ok=True)
@@ -120,7 +118,7 @@ def main(argv=None):
     env = init_distributed_mode(args.device, args.local_rank, args.dist_timeout)
     try:
         exit_code = train(args, env)
-    except (UserError, DataError) as exc:
+    except UserError as exc:  # DataError and WeightsError are UserErrors too
         fail(str(exc))
     except BaseException as exc:
         if env.distributed and peer_lost(exc):
@@ -140,42 +138,92 @@ def check_model_fits(args, tokenizer, config):
                         f"{config.max_position_embeddings}")
 
 
-def resume(args, prefix, config, model, optimizer, scaler, plan, env):
-    """Load the newest usable checkpoint into the model, optimizer and scaler.
-    Returns (start_step, tokens_seen, wandb_run_id), or None with no checkpoint."""
-    state = load_latest_checkpoint(args.checkpoint_dir, prefix, config.to_dict())
-    if state is None:
-        return None
-    restore_model_and_optimizer(state, model, optimizer)
-    scaler.load_state_dict(state["scaler"])
-    if state["world_size"] == env.world_size:
-        restore_rng_state(state["rng"][env.rank])
-    # Samples already consumed in the saved epoch, re-expressed in this run's step size.
-    step_in_epoch = resume_step(state["step_in_epoch"], state["samples_per_step"], plan.samples_per_step)
-    start_step = state["epoch"] * plan.steps_per_epoch + step_in_epoch
-    if state["samples_per_step"] != plan.samples_per_step:
-        Logger(f"resume: world size {state['world_size']} -> {env.world_size}, step {state['step_in_epoch']} -> "
-               f"{step_in_epoch} of epoch {state['epoch']} (step * {state['samples_per_step']} samples "
+@dataclass(frozen=True)
+class RunFiles:
+    """Where the run writes: {save_dir}/{prefix}.pth, and its checkpoints in checkpoint_dir."""
+    save_dir: str
+    checkpoint_dir: str
+    prefix: str
+    keep_last: int
+    sharded: bool  # FSDP: every rank writes its own shards (DCP)
+
+
+@dataclass(frozen=True)
+class TrainParts:
+    """What the optimizer updates, and what a checkpoint saves besides the TrainState."""
+    model: torch.nn.Module  # the MiniMindForCausalLM (sharded in place under FSDP)
+    net: torch.nn.Module  # the module the loop calls: DDP, FSDP or torch.compile around the model
+    optimizer: torch.optim.Optimizer
+    peaks: dict  # each parameter group's peak learning rate
+    scaler: torch.amp.GradScaler
+
+
+def build_parts(args, env, config, settings: RunSettings) -> TrainParts:
+    # The same initial weights on every rank: FSDP shards them as they are, with no
+    # broadcast from rank 0 as DDP does. Per-rank streams (dropout) are seeded after.
+    setup_seed(args.seed)
+    model = init_model(config, args.from_weight, env.device)
+    setup_seed(args.seed + env.rank)
+    # FSDP shards `model` in place, so the optimizer comes after.
+    net = wrap_model(model, env, args.parallel, settings.dtype, bool(args.use_compile), bool(args.grad_checkpointing))
+    optim_config = OptimConfig.from_args(args, settings.optimizer)
+    optimizer, peaks = build_optimizer(model, optim_config), peak_lrs(optim_config)
+    Logger(describe(optimizer, peaks))
+    scaler = torch.amp.GradScaler(settings.device_type, enabled=settings.dtype == "float16")
+    return TrainParts(model, net, optimizer, peaks, scaler)
+
+
+def resume(state: TrainState, parts: TrainParts, config, files: RunFiles, rank: int) -> bool:
+    """Load the newest usable checkpoint into the state, model, optimizer and scaler;
+    False when there is none."""
+    saved = load_latest_checkpoint(files.checkpoint_dir, files.prefix, config.to_dict())
+    if saved is None:
+        return False
+    restore_model_and_optimizer(saved, parts.model, parts.optimizer)
+    parts.scaler.load_state_dict(saved["scaler"])
+    plan = state.plan
+    if saved["world_size"] == plan.world_size:
+        restore_rng_state(saved["rng"][rank])
+    state.load_state_dict(saved)
+    if saved["samples_per_step"] != plan.samples_per_step:
+        step_in_epoch = state.global_step - saved["epoch"] * plan.steps_per_epoch
+        Logger(f"resume: world size {saved['world_size']} -> {plan.world_size}, step {saved['step_in_epoch']} -> "
+               f"{step_in_epoch} of epoch {saved['epoch']} (step * {saved['samples_per_step']} samples "
                f"// {plan.samples_per_step} samples per step)")
-    Logger(f"resumed from {state['path']} at step {start_step}/{plan.total_steps}")
-    return start_step, state["tokens_seen"], state.get("wandb_run_id")
+    Logger(f"resumed from {saved['path']} at step {state.global_step}/{plan.total_steps}")
+    return True
+
+
+def save_run(state: TrainState, parts: TrainParts, config, files: RunFiles):
+    """The inference weights and a resume checkpoint at state.global_step (every rank calls it)."""
+    # A checkpoint of NaNs would push a good one out of the rotation: refuse to write it.
+    if not weights_finite(parts.model):
+        raise RuntimeError("model weights are not finite; refusing to save a checkpoint")
+    save_weights(parts.model, files, files.prefix)
+    save_checkpoint({"scaler": parts.scaler.state_dict(), **state.state_dict(), "model_config": config.to_dict()},
+                    parts.model, parts.optimizer, files.checkpoint_dir, files.prefix, files.keep_last, files.sharded)
+
+
+def count_bad_step(skipped: bool, bad_steps: int, step: int, max_bad_steps: int) -> int:
+    """Consecutive skipped updates so far; too many in a row end the run."""
+    if not skipped:
+        return 0
+    bad_steps += 1
+    Logger(f"step {step}: non-finite loss or gradient norm on some rank; update skipped "
+           f"({bad_steps}/{max_bad_steps} in a row)")
+    if bad_steps >= max_bad_steps:
+        raise UserError(f"{bad_steps} consecutive non-finite steps (--max_bad_steps {max_bad_steps}); "
+                        f"lower --learning_rate or check the data; the last good checkpoint is kept")
+    return bad_steps
 
 
 def train(args, env) -> int:
     # ------------------------------------------------------------------ 1. settings
-    dtype_name, why = detect_dtype(args.dtype, env.device, sharded=args.parallel == "fsdp" and env.distributed)
-    Logger(f"dtype: {dtype_name} ({why})")
-    optimizer_name, why = detect_optimizer(args.optimizer, env.device, args.param_groups)
-    Logger(f"optimizer: {optimizer_name} ({why})")
-    # The resolved names from here on.
-    args = argparse.Namespace(**{**vars(args), "dtype": dtype_name, "optimizer": optimizer_name})
-    dtype = getattr(torch, dtype_name)
-    configure_cuda(env.device, dtype)
-    device_type = "cuda" if env.device.startswith("cuda") else "cpu"
-    autocast = nullcontext() if dtype == torch.float32 else torch.autocast(device_type, dtype=dtype)
+    settings = resolve_settings(args, env)
+    configure_cuda(env.device, settings.torch_dtype)
+    autocast = settings.autocast()
     world_size, rank = env.world_size, env.rank
-    sharded = args.parallel == "fsdp" and env.distributed
-    check_output_dirs(args.save_dir, args.checkpoint_dir, sharded)
+    check_output_dirs(args.save_dir, args.checkpoint_dir, settings.sharded)
 
     # ------------------------------------------------------------------ 2. tokenizer, model config, data
     tokenizer = load_tokenizer(args.tokenizer_path)
@@ -187,227 +235,95 @@ def train(args, env) -> int:
     total_steps = plan.total_steps
 
     # ------------------------------------------------------------------ 3. model, parallelism, optimizer
-    # The same initial weights on every rank: FSDP shards them as they are, with no
-    # broadcast from rank 0 as DDP does. Per-rank streams (dropout) are seeded after.
-    setup_seed(args.seed)
-    model = init_model(config, args.from_weight, env.device)
-    setup_seed(args.seed + rank)
-    active_params = count_parameters(model)[1]
-    net = wrap_model(model, args, env)  # FSDP shards `model` in place, so the optimizer comes after
-    optim_config = OptimConfig.from_args(args)
-    optimizer, peaks = build_optimizer(model, optim_config), peak_lrs(optim_config)
-    Logger(describe(optimizer, peaks))
-    scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
+    parts = build_parts(args, env, config, settings)
+    model, optimizer = parts.model, parts.optimizer
+    flops_token = flops_per_token(config, count_parameters(model)[1], args.max_seq_len)
 
     # ------------------------------------------------------------------ 4. resume
     prefix = run_prefix(args.save_weight, config.hidden_size, config.use_moe)
-    start_step, tokens_seen, wandb_id = 0, 0, None
-    resumed = resume(args, prefix, config, model, optimizer, scaler, plan, env) if args.from_resume else None
-    if resumed:
-        start_step, tokens_seen, wandb_id = resumed
-        if start_step >= total_steps:
+    files = RunFiles(args.save_dir, args.checkpoint_dir, prefix, args.keep_last, settings.sharded)
+    state = TrainState(plan)
+    if args.from_resume and resume(state, parts, config, files, rank):
+        if state.global_step >= total_steps:
             # Saving now would re-label the checkpoint in this run's step units; leave it be.
-            Logger(f"nothing left to train: the checkpoint is at step {start_step} of {total_steps} "
+            Logger(f"nothing left to train: the checkpoint is at step {state.global_step} of {total_steps} "
                    f"(raise --max_steps or --epochs to train further)")
             return 0
+    start_step = state.global_step
 
     # ------------------------------------------------------------------ 5. loaders, logging
-    pin = device_type == "cuda"
+    pin = settings.device_type == "cuda"
     sampler = ResumableDistributedSampler(data.train, world_size, rank, seed=args.seed)
     loader = make_train_loader(data.train, sampler, args, pin)
     val_loader = make_val_loader(data.val, args, rank, world_size, pin) if data.val is not None else None
     byte_lengths = token_byte_lengths(tokenizer, config.vocab_size).to(env.device)
-    log = RunLogger(args, prefix, is_main_process(), start_step, total_steps, wandb_id, env.device)
+    log = RunLogger(args, prefix, state, settings.as_flags(args), is_main_process(), env.device)
+    state.wandb_run_id = log.wandb_run_id
     saves = SaveSchedule(args.save_interval, args.save_every_minutes, args.log_interval, env.device)
-    preempt = PreemptionFlag()
+    preempt, faults = PreemptionFlag(), FaultPlan.from_env(rank)
     preempt.install()
     throughput = Throughput(plan.samples_per_step * args.max_seq_len, env.device)
     peak = device_peak_flops(env.device, args.peak_tflops)
-    flops_token = flops_per_token(config, active_params, args.max_seq_len)
-    epochs = math.ceil(total_steps / plan.steps_per_epoch)
     Logger(f"world_size={world_size} micro_batch={args.batch_size} accumulation={plan.accumulation_steps} "
            f"global_batch={plan.samples_per_step} steps/epoch={plan.steps_per_epoch} total_steps={total_steps} "
-           f"dtype={args.dtype} device={env.device} parallel={args.parallel if env.distributed else 'none'}")
-
-    def checkpoint(step):
-        # A checkpoint of NaNs would push a good one out of the rotation: refuse to write it.
-        if not weights_finite(model):
-            raise RuntimeError("model weights are not finite; refusing to save a checkpoint")
-        save_weights(model, args, prefix)
-        epoch, step_in_epoch = divmod(step, plan.steps_per_epoch)
-        save_checkpoint({
-            "scaler": scaler.state_dict(), "global_step": step, "epoch": epoch, "step_in_epoch": step_in_epoch,
-            "samples_per_step": plan.samples_per_step, "world_size": world_size, "tokens_seen": tokens_seen,
-            "wandb_run_id": log.wandb_run_id, "model_config": config.to_dict(),
-        }, model, optimizer, args.checkpoint_dir, prefix, args.keep_last, sharded)
-        saves.saved()
+           f"dtype={settings.dtype} device={env.device} parallel={args.parallel if env.distributed else 'none'}")
+    # Packed windows have no padding: every position is a target, so the token count is known.
+    step_context = StepContext(parts.net, optimizer, parts.scaler, env.device, world_size, autocast,
+                               labels_are_shifted=data.labels_are_shifted, doc_mask=bool(args.doc_mask),
+                               bos_id=tokenizer.bos_token_id, tokens_known=data.labels_are_shifted,
+                               grad_clip=args.grad_clip)
 
     # ------------------------------------------------------------------ 6. train
-    global_step, bad_steps = start_step, 0
-    totals, read_at_step = StepTotals(env.device), start_step
-    tokens_known = data.labels_are_shifted  # packed windows: no padding, every position is a target
-    while global_step < total_steps:
-        epoch, step_in_epoch = divmod(global_step, plan.steps_per_epoch)
-        sampler.set_epoch(epoch)
-        sampler.set_start(step_in_epoch * args.batch_size * plan.accumulation_steps)
+    bad_steps, totals = 0, StepTotals(env.device)
+    while state.global_step < total_steps:
+        where = plan.position(state.global_step)
+        sampler.set_epoch(where.epoch)
+        sampler.set_start(where.sampler_start)
         batches = iter(loader)
-        for _ in range(step_in_epoch, min(plan.steps_per_epoch, step_in_epoch + total_steps - global_step)):
-            inject_crash(global_step, rank)
-            lrs = set_lr(optimizer, peaks, global_step, total_steps, args.warmup_steps)
+        for _ in range(min(plan.steps_per_epoch - where.step_in_epoch, total_steps - state.global_step)):
+            faults.crash_before(state.global_step, rank)
+            lrs = set_lr(optimizer, parts.peaks, state.global_step, total_steps, args.warmup_steps)
             micro_batches = [next(batches) for _ in range(plan.accumulation_steps)]
-            result = optimizer_step(
-                net, optimizer, scaler, micro_batches, args, env, data.labels_are_shifted, autocast,
-                poison=inject_nan(global_step, rank), preempt_requested=preempt.requested,
-                bos_id=tokenizer.bos_token_id, tokens_known=tokens_known,
-            )
-            if global_step == start_step:
+            result = optimizer_step(step_context, micro_batches, poison=faults.poisons(state.global_step),
+                                    preempt_requested=preempt.requested)
+            if state.global_step == start_step:
                 weights_mib, optimizer_mib = local_state_mib(model, optimizer)
                 Logger(f"state per rank: weights {weights_mib:,.0f} MiB, optimizer {optimizer_mib:,.0f} MiB")
-            global_step += 1
+            state.global_step += 1
+            step = state.global_step
             totals.add(result)
             log.step_done()
-            bad_steps = bad_steps + 1 if result.skipped else 0
-            if result.skipped:
-                Logger(f"step {global_step}: non-finite loss or gradient norm on some rank; update skipped "
-                       f"({bad_steps}/{args.max_bad_steps} in a row)")
-                if bad_steps >= args.max_bad_steps:
-                    raise UserError(f"{bad_steps} consecutive non-finite steps (--max_bad_steps {args.max_bad_steps}); "
-                                    f"lower --learning_rate or check the data; the last good checkpoint is kept")
+            bad_steps = count_bad_step(result.skipped, bad_steps, step, args.max_bad_steps)
 
-            last, stop = global_step == total_steps, result.stop
-            log_now = global_step % args.log_interval == 0 or last
-            eval_now = val_loader is not None and (
-                last or (args.eval_interval and global_step % args.eval_interval == 0))
-            save_now = saves.due(global_step) or last or stop  # due() first: every rank calls it every step
+            last, stop = step == total_steps, result.stop
+            log_now = step % args.log_interval == 0 or last
+            eval_now = val_loader is not None and (last or (args.eval_interval and step % args.eval_interval == 0))
+            save_now = saves.due(step) or last or stop  # due() first: every rank calls it every step
             if log_now or eval_now or save_now:  # steps that read the device anyway
-                new_tokens = totals.take_tokens()
-                tokens_seen += new_tokens
-                throughput.add(new_tokens, steps=global_step - read_at_step)
-                read_at_step = global_step
+                new_tokens, steps = totals.take_tokens()
+                state.tokens_seen += new_tokens
+                throughput.add(new_tokens, steps=steps)
             if log_now:
                 loss, aux = totals.take_window()
                 tok_s, real_tok_s = throughput.report()
                 mfu = flops_token * tok_s / world_size / peak if peak else None
-                log.log_train(global_step, epoch, epochs, loss, aux, lrs, tokens_seen, tok_s, real_tok_s, mfu)
+                log.log_train(TrainRow(step, where.epoch, loss, aux, lrs, state.tokens_seen, tok_s, real_tok_s, mfu))
             with throughput.paused(eval_now or save_now):  # tokens/s and MFU count training time only
                 if eval_now:
                     with log.untimed():
-                        val_loss, val_bpb = evaluate(net, val_loader, autocast, env.device,
+                        val_loss, val_bpb = evaluate(parts.net, val_loader, autocast, env.device,
                                                      data.val_labels_are_shifted, byte_lengths)
-                    log.log_val(global_step, tokens_seen, val_loss, val_bpb)
+                    log.log_val(step, state.tokens_seen, val_loss, val_bpb)
                 if save_now:
-                    checkpoint(global_step)
+                    save_run(state, parts, config, files)
+                    saves.saved()
             if stop:
-                Logger(f"preempted: saved step {global_step} to {args.checkpoint_dir}; resume with --from_resume 1")
+                Logger(f"preempted: saved step {step} to {args.checkpoint_dir}; resume with --from_resume 1")
                 log.close()
                 return 128 + (preempt.signum or 15)
     log.close()
-    Logger(f"done: {global_step} steps, {tokens_seen:,} tokens; weights in {args.save_dir}/{prefix}.pth")
+    Logger(f"done: {state.global_step} steps, {state.tokens_seen:,} tokens; weights in {args.save_dir}/{prefix}.pth")
     return 0
-
-
-@dataclass
-class StepResult:
-    stats: torch.Tensor  # on the device, summed over ranks: (loss x tokens, aux loss, tokens)
-    skipped: bool  # a non-finite loss or gradient norm on some rank: no update was made
-    stop: bool  # some rank was asked to stop (preemption)
-
-    def mean_loss(self) -> float:
-        return (self.stats[0] / self.stats[2]).item()
-
-
-def optimizer_step(net, optimizer, scaler, micro_batches, args, env, shifted, autocast, poison,
-                   preempt_requested, bos_id, tokens_known=False) -> StepResult:
-    """Forward/backward over the micro-batches and one optimizer update.
-
-    Every token of the global batch weighs the same: each micro-batch's summed loss
-    is divided by the batch's token count over all ranks (DDP then averages the
-    ranks' gradients, hence the world_size factor). With padding, the per-micro-batch
-    mean of the seed would weigh short documents more, and differently per world size.
-    `tokens_known`: every target is real (packed windows), so the count needs no all-reduce.
-
-    The host reads the device once, for the skip/stop decision agreed by all ranks: on a
-    GPU every read waits for the queued work to finish, so the next step cannot be queued.
-    """
-    device, accum = env.device, len(micro_batches)
-    batches = [(x.to(device, non_blocking=True), to_targets(y, shifted).to(device, non_blocking=True))
-               for x, y in micro_batches]
-    if tokens_known:
-        # torch.full fills on the device; torch.tensor(x, device=...) would be a blocking copy.
-        tokens = torch.full((), sum(t.numel() for _, t in batches) * env.world_size, dtype=torch.float64,
-                            device=device)
-    else:
-        tokens = all_reduce_sum(sum((t != -100).sum() for _, t in batches).double())
-    per_rank_tokens = (tokens / env.world_size).float()
-    loss_sum = torch.zeros((), device=device)
-    aux_sum = torch.zeros((), device=device)
-    for i, (x, targets) in enumerate(batches):
-        # Only the last micro-batch all-reduces gradients; the others accumulate locally.
-        with gradient_sync(net, enabled=i == accum - 1):
-            with autocast:
-                mask = document_causal_mask(x, bos_id) if args.doc_mask else None
-                out = net(x, attention_mask=mask, shift_labels=targets, num_items_in_batch=per_rank_tokens)
-                loss = out.loss + out.aux_loss / accum
-                if poison:
-                    loss = loss * float("nan")
-            scaler.scale(loss).backward()
-        loss_sum += out.loss.detach().float() * per_rank_tokens
-        aux_sum += out.aux_loss.detach().float() / accum
-
-    scaler.unscale_(optimizer)
-    grad_norm = as_local_scalar(
-        torch.nn.utils.clip_grad_norm_(net.parameters(), args.grad_clip if args.grad_clip > 0 else math.inf))
-    # Under fp16 the GradScaler owns inf gradients: it skips the step and lowers its scale.
-    bad_grad = torch.zeros((), device=device) if scaler.is_enabled() else (~torch.isfinite(grad_norm)).float()
-    # One collective carries every per-step agreement: the loss for logging, a non-finite
-    # loss or gradient norm on any rank, and a preemption request seen by any rank.
-    flags = torch.stack([loss_sum, aux_sum, (~torch.isfinite(loss_sum)).float(), bad_grad.to(loss_sum.dtype),
-                         torch.full((), float(preempt_requested), device=device)])
-    all_reduce_sum(flags)
-    bad_loss, bad_grad, stop = read_flags(flags[2:])
-    skipped = bad_loss or bad_grad
-    if not skipped:
-        scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    return StepResult(torch.stack([flags[0].double(), flags[1].double() / env.world_size, tokens]), skipped, stop)
-
-
-def read_flags(flags: torch.Tensor) -> list[bool]:
-    """flags > 0, read off the device in ONE host sync (as the bits of one integer)."""
-    bits = (flags > 0).long() << torch.arange(len(flags), device=flags.device)
-    code = int(bits.sum().item())
-    return [bool(code >> i & 1) for i in range(len(flags))]
-
-
-class StepTotals:
-    """Per-step figures summed on the device and read by the host only when it logs or
-    saves anyway, so that ordinary steps stay free of device-to-host reads."""
-
-    def __init__(self, device):
-        self.window = torch.zeros(3, dtype=torch.float64, device=device)  # StepResult.stats summed over updates
-        self.updates = 0
-        self.tokens = torch.zeros((), dtype=torch.float64, device=device)  # every step's, since the last read
-
-    def add(self, result: StepResult):
-        self.tokens += result.stats[2]
-        if not result.skipped:  # a skipped step's NaN loss would hide the others' in the mean
-            self.window += result.stats
-            self.updates += 1
-
-    def take_tokens(self) -> int:
-        tokens = int(self.tokens.item())
-        self.tokens.zero_()
-        return tokens
-
-    def take_window(self) -> tuple[float, float]:
-        """(token-weighted mean loss, mean aux loss) over the updates since the last call."""
-        loss_x_tokens, aux, tokens = self.window.tolist()
-        updates, self.updates = self.updates, 0
-        self.window.zero_()
-        if not updates:
-            return math.nan, math.nan
-        return loss_x_tokens / tokens, aux / updates
 
 
 if __name__ == "__main__":
