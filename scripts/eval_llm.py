@@ -154,15 +154,13 @@ def parse_args(argv=None):
     p.add_argument("--top_p", type=float, default=0.85)
     p.add_argument("--top_k", type=int, default=0, help="0 disables top-k filtering")
     p.add_argument("--do_sample", type=int, choices=(0, 1), default=1, help="1 samples, 0 is greedy")
-    p.add_argument("--greedy", action="store_true", help="same as --do_sample 0")
+    p.add_argument("--greedy", dest="do_sample", action="store_const", const=0, help="same as --do_sample 0")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda[:N]")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--ppl_data", help="held-out .jsonl ({\"text\": ...} per line) to measure perplexity on")
     p.add_argument("--ppl_max_docs", type=int, default=None, help="only the first N documents")
     p.add_argument("--max_seq_len", type=int, default=512, help="truncate --ppl_data documents to this many tokens")
     args = p.parse_args(argv)
-    if args.greedy:
-        args.do_sample = 0
     if args.weight_path and args.hf_dir:
         p.error("pass --weight_path or --hf_dir, not both")
     if args.use_moe not in (None, 0, 1):
