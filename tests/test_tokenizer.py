@@ -118,8 +118,10 @@ def test_bad_line_reports_file_and_line(tmp_path, capsys, content, message):
     corpus.write_text(content, encoding="utf-8")
     with pytest.raises(SystemExit) as exc:
         train_main(["--data_path", str(corpus), "--vocab_size", "300", "--out_dir", str(tmp_path / "tok")])
-    assert message in str(exc.value)
-    assert "\n" not in str(exc.value)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.count("\n") == 1 and err.startswith("error: ")
     assert not (tmp_path / "tok").exists()
 
 

@@ -20,8 +20,9 @@ import time
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from common.errors import UserError, report_user_errors
 from dataset.demo_corpus import DEMO_CORPUS, ensure_demo_corpus
-from dataset.lm_dataset import DataError, iter_jsonl_texts
+from dataset.lm_dataset import iter_jsonl_texts
 
 # Fixed ids: the first special tokens given to the trainer get ids 0, 1, 2.
 PAD_TOKEN = "<|endoftext|>"  # id 0: padding and end of a document
@@ -114,6 +115,7 @@ def chars_per_token(tokenizer, data_path, batch_size=256):
     return n_chars / max(n_tokens, 1)
 
 
+@report_user_errors
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Train a byte-level BPE tokenizer on a JSONL corpus.")
     parser.add_argument("--data_path", type=Path, default=DEMO_CORPUS,
@@ -130,20 +132,17 @@ def main(argv=None):
     if args.data_path.resolve() == DEMO_CORPUS.resolve():
         ensure_demo_corpus(DEMO_CORPUS)
     if not args.data_path.is_file():
-        sys.exit(f"error: --data_path {args.data_path} does not exist")
+        raise UserError(f"--data_path {args.data_path} does not exist: pass a JSONL corpus")
 
     t0 = time.time()
-    try:
-        # The Rust progress bar only prints blank lines when not on a terminal.
-        progress = not args.no_progress and sys.stderr.isatty()
-        tokenizer = train(args.data_path, args.vocab_size, progress=progress)
-        ratio = chars_per_token(tokenizer, args.data_path)
-    except DataError as e:
-        sys.exit(f"error: {e}")
+    # The Rust progress bar only prints blank lines when not on a terminal.
+    progress = not args.no_progress and sys.stderr.isatty()
+    tokenizer = train(args.data_path, args.vocab_size, progress=progress)  # bad lines raise DataError
+    ratio = chars_per_token(tokenizer, args.data_path)
     try:
         out_dir = save(tokenizer, args.out_dir)
     except OSError as e:
-        sys.exit(f"error: cannot write --out_dir {args.out_dir}: {e.strerror or e}")
+        raise UserError(f"cannot write --out_dir {args.out_dir}: {e.strerror or e}") from None
     print(f"[tokenizer] vocab {tokenizer.get_vocab_size()}, {ratio:.2f} chars/token on {args.data_path}, "
           f"{time.time() - t0:.1f}s -> {out_dir}")
     return out_dir
