@@ -13,19 +13,14 @@ from dataset.packed_dataset import (PackedPretrainDataset, document_causal_mask,
                                     read_meta, write_meta)
 from scripts.prepare_data import prepare
 from tests import helpers_data
+from tests.launch_utils import REPO_ROOT
 
-PREPARE_SCRIPT = helpers_data.REPO_ROOT / "scripts" / "prepare_data.py"
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    return helpers_data.tokenizer_dir(tmp_path_factory.mktemp("tok"))
+PREPARE_SCRIPT = REPO_ROOT / "scripts" / "prepare_data.py"
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tok_dir):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(tok_dir)
+def tok_dir(tokenizer_dir):
+    return tokenizer_dir
 
 
 def write_stream(path, tokens, vocab_size=400, num_docs=1):

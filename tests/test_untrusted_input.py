@@ -18,8 +18,9 @@ from model.weights import WeightsError, load_model, read_checkpoint
 from scripts.convert_model import save_pth
 from scripts.eval_llm import main as eval_main
 from tests.fault_helpers import error_lines, run_all, worker_tracebacks
-from tests.launch_utils import PYTHON, REPO_ROOT, TINY, TORCHRUN, ensure_demo_corpus, out_args, train_cmd
-from tests.test_convert import FLAGS, train_tiny
+from tests.launch_utils import (
+    FLAGS, PYTHON, REPO_ROOT, TINY, TORCHRUN, ensure_demo_corpus, out_args, train_cmd, train_tiny,
+)
 from trainer import preflight
 from trainer.checkpoint import save_checkpoint, verify_checkpoint
 from trainer.train_pretrain import main as train_main, save_weights
