@@ -81,6 +81,7 @@ torch.save(results, sys.argv[1] + ".out")
 """
 
 
+@pytest.mark.slow
 def test_minimind_export_loads_with_remote_code_from_anywhere(work, tmp_path):
     root, _, runs = work
     ids_file = tmp_path / "ids.pt"

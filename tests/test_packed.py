@@ -130,6 +130,7 @@ def test_skip_bad_lines_counts_them(tmp_path, tok_dir):
     assert read_meta(tmp_path / "c.bin")["num_docs"] == 3
 
 
+@pytest.mark.slow
 def test_bad_line_without_flag_exits_2(tmp_path, tok_dir):
     data = tmp_path / "corpus.jsonl"
     data.write_text('{"text": "one"}\n{"text": "two"}\n{"text": oops}\n{"text": "four"}\n')

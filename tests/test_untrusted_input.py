@@ -89,6 +89,7 @@ def launched(tmp_path_factory):
     return root, results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("entry_point", ["eval_llm", "train_pretrain", "convert_model"])
 def test_payload_is_refused_by_every_entry_point(launched, entry_point):
     root, results = launched
@@ -102,6 +103,7 @@ def test_payload_is_refused_by_every_entry_point(launched, entry_point):
     assert "refused" in lines[0] and "evil.pth" in lines[0], lines[0]
 
 
+@pytest.mark.slow
 def test_bad_flag_under_torchrun_stops_every_rank_with_one_line(launched):
     root, results = launched
     result = results["torchrun_bad_flag"]
@@ -113,6 +115,7 @@ def test_bad_flag_under_torchrun_stops_every_rank_with_one_line(launched):
     assert not (root / "torchrun_bad_flag" / "out").exists()  # stopped before even creating --save_dir
 
 
+@pytest.mark.slow
 def test_fsdp_checkpoint_dir_must_be_shared_by_all_ranks(launched):
     root, results = launched
     assert results["shared_dir"].returncode == 0, results["shared_dir"].stdout[-3000:]
