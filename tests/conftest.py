@@ -3,7 +3,7 @@ tiny models) live in tests/launch_utils.py, which the modules import; no test mo
 imports another."""
 import pytest
 
-from tests.launch_utils import REPO_ROOT, build_tokenizer, train_in_process
+from tests.launch_utils import REPO_ROOT, build_tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -28,10 +28,3 @@ def tokenizer(tokenizer_dir):
 def tiny_tokenizer_dir(tmp_path_factory):
     """build_tokenizer's 6400-id BPE, built once for the whole session."""
     return build_tokenizer(tmp_path_factory.mktemp("tiny_tokenizer"))
-
-
-@pytest.fixture
-def train_here():
-    """train_in_process: run train_pretrain.main(argv) in the pytest process and get
-    (returncode, stdout) back, as from a `python trainer/train_pretrain.py` launch."""
-    return train_in_process
