@@ -1,11 +1,20 @@
-"""Launch train_pretrain.py the ways users do, on tiny CPU configs, for the tests."""
+"""Launch train_pretrain.py the ways users do, on tiny CPU configs, for the tests:
+as processes, or in this process where the process itself is not what a test shows."""
+import io
 import json
 import os
+import random
+import signal
 import socket
 import subprocess
 import sys
+import traceback
+import warnings
+from contextlib import redirect_stderr, redirect_stdout
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -61,6 +70,71 @@ def run_training(nproc, args, tmp_path, launcher="torchrun", env=None, timeout=2
     """Run to completion and return the CompletedProcess (stdout and stderr merged)."""
     return subprocess.run(train_cmd(nproc, args, launcher), cwd=cwd or tmp_path, env=run_env(tmp_path, env),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+
+
+@dataclass
+class InProcessRun:
+    returncode: int
+    stdout: str  # stdout and stderr merged, as run_training returns them
+
+
+def run_in_process(fn, run_dir, env=None) -> InProcessRun:
+    """Call fn() here as a process launched by run_training would run it: in run_dir,
+    under run_env's environment, on one thread (as OMP_NUM_THREADS=1 does, so results equal
+    a launched run's), with stdout and stderr merged and Python warnings shown as a fresh
+    process shows them. sys.exit(code) gives the return code; an exception gives 1 and
+    its traceback in the output. Afterwards every global the trainer sets is put back:
+    the environment, the working directory, the SIGTERM/SIGINT handlers (the preemption
+    flag installs its own), the thread count and the random generators it seeds."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    saved_env, saved_cwd, saved_threads = dict(os.environ), os.getcwd(), torch.get_num_threads()
+    saved_handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    saved_rng = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    out = io.StringIO()
+    try:
+        new_env = run_env(run_dir, env)
+        os.environ.clear()
+        os.environ.update(new_env)
+        os.chdir(run_dir)
+        torch.set_num_threads(1)
+        with redirect_stdout(out), redirect_stderr(out), warnings.catch_warnings():
+            warnings.resetwarnings()
+            warnings.showwarning = _show_warning
+            try:
+                fn()
+                code = 0
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+                if not isinstance(exc.code, (int, type(None))):
+                    print(exc.code, file=sys.stderr)
+            except Exception:
+                traceback.print_exc()
+                code = 1
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        os.chdir(saved_cwd)
+        torch.set_num_threads(saved_threads)
+        for sig, handler in saved_handlers.items():
+            signal.signal(sig, handler)
+        random.setstate(saved_rng[0])
+        np.random.set_state(saved_rng[1])
+        torch.set_rng_state(saved_rng[2])
+    return InProcessRun(code, out.getvalue())
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+    sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+
+def train_in_process(args, run_dir, env=None) -> InProcessRun:
+    """`python trainer/train_pretrain.py ARGS` as run_training(1, ARGS, run_dir, "python")
+    runs it, as trainer.train_pretrain.main(ARGS) in this process: about a second for
+    the tiny configs instead of the 5-8 s a process spends importing torch and transformers."""
+    from trainer.train_pretrain import main
+
+    return run_in_process(lambda: main([str(a) for a in args]), run_dir, env)
 
 
 def ensure_demo_corpus() -> Path:
@@ -128,3 +202,46 @@ def assert_bitwise_equal(state_a: dict, state_b: dict):
     assert state_a.keys() == state_b.keys()
     differing = [k for k in state_a if not torch.equal(state_a[k], state_b[k])]
     assert not differing, f"tensors differ: {differing[:5]}"
+
+
+# ---------------------------------------------------------------------------- tiny models and tokenizers
+# The shape of the tiny models the conversion, evaluation and untrusted-input tests build.
+FLAGS = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+CLI_FLAGS = [x for name, value in FLAGS.items() for x in (f"--{name}", str(value))]
+
+
+def build_tokenizer(out_dir) -> Path:
+    """A byte-level BPE tokenizer with the project's layout (pad 0, bos 1, eos 2, 6400 ids),
+    trained in under a second on random words, standing in for model/tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(0)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))) for _ in range(30000)]
+    lines = [" ".join(words[i : i + 20]) for i in range(0, len(words), 20)] + ["你好，世界！MiniMind 是一个小模型。"] * 5
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=6400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(lines, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", unk_token="<|endoftext|>")
+    fast.save_pretrained(out_dir)
+    return Path(out_dir)
+
+
+def train_tiny(use_moe, steps=4):
+    """A few AdamW steps on random tokens, so the weights are no longer the init."""
+    from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+
+    torch.manual_seed(0)
+    model = MiniMindForCausalLM(MiniMindConfig(**FLAGS, use_moe=use_moe)).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(steps):
+        ids = torch.randint(3, 6400, (4, 32))
+        out = model(ids, labels=ids)
+        (out.loss + out.aux_loss).backward()
+        opt.step()
+        opt.zero_grad()
+    return model.eval()

@@ -2,17 +2,19 @@
 line, printed once (by rank 0), a non-zero exit, no hang, no Python traceback, and the
 checkpoints already in --checkpoint_dir left byte for byte as they were.
 
-Data cases run under 2-process torchrun (every rank reads the data; only rank 0 may
-speak). torchrun itself answers any worker's non-zero exit with its own
-ChildFailedError report (a traceback of torchrun's frames) and rc 1; the workers exit 2.
-Flag cases are checked before any data or process-group work, so one process shows them.
+Every case runs train_pretrain.main() in-process, end to end from the flags to the exit
+code. Two cases are also launched as processes, for what only a process shows: a flag
+case as `python` (the real exit code, no traceback on the real stderr), and a data case
+under 2-process torchrun (every rank reads the data; only rank 0 may speak). torchrun
+itself answers any worker's non-zero exit with its own ChildFailedError report (a
+traceback of torchrun's frames) and rc 1; the workers exit 2.
 """
 import os
 
 import pytest
 
 from tests.fault_helpers import error_lines, job, outputs_digest, run_all, worker_tracebacks
-from tests.launch_utils import TINY, out_args
+from tests.launch_utils import TINY, out_args, train_in_process
 
 DATA = {
     # name: (file bytes or None for a missing file, expected message fragment)
@@ -22,8 +24,8 @@ DATA = {
     "missing_file": (None, "data.jsonl: not found: pass --data_path"),
     "not_utf8": (b'{"text": "fine"}\n{"text": "caf\xe9"}\n', "data.jsonl:2: not valid UTF-8 (byte 0xe9"),
     "fewer_than_a_batch": (b'{"text": "one"}\n{"text": "two"}\n{"text": "three"}\n',
-                           "--data_path {data}: 3 training samples, fewer than one global batch of 8 "
-                           "(--batch_size 4 x 2 processes x 1 accumulation steps)"),
+                           "--data_path {data}: 3 training samples, fewer than one global batch of {batch} "
+                           "(--batch_size 4 x {nproc} processes x 1 accumulation steps)"),
 }
 FLAGS = {
     "batch_size_0": (["--batch_size", "0"], "--batch_size must be at least 1, got 0"),
@@ -46,33 +48,69 @@ def plant_checkpoints(run_dir):
     (out / "pretrain_64.pth").write_bytes(os.urandom(1024))
 
 
-@pytest.fixture(scope="module")
-def failed(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bad_input")
-    jobs, before, expected = {}, {}, {}
-    for case, (content, message) in DATA.items():
-        run, data = root / case, root / f"{case}_data" / "data.jsonl"
+# case: processes, for the cases also launched as processes.
+LAUNCHED = {"float16_on_cpu": 1, "fewer_than_a_batch": 2}
+
+
+def prepare(root, case, nproc):
+    """(flags, run dir, expected message) of a case, with checkpoints planted in its run dir."""
+    run = root / case
+    if case in DATA:
+        content, message = DATA[case]
+        data = root / f"{case}_data" / "data.jsonl"
         data.parent.mkdir()
         if content is not None:
             data.write_bytes(content)
         # --save_interval 1: any step that slipped through would write (and rotate) checkpoints.
-        jobs[case] = job(2, [*TINY, *out_args(run), "--data_path", str(data), "--max_steps", "2",
-                             "--save_interval", "1"], run)
-        expected[case] = message.format(data=data)
-    for case, (flags, message) in FLAGS.items():
-        run = root / case
-        jobs[case] = job(1, [*TINY, *out_args(run), "--max_steps", "2", "--save_interval", "1", *flags], run)
-        expected[case] = message
-    for case, (_, run, _) in jobs.items():
-        plant_checkpoints(run)
-        before[case] = outputs_digest(run)
+        flags = [*TINY, *out_args(run), "--data_path", str(data), "--max_steps", "2", "--save_interval", "1"]
+        message = message.format(data=data, batch=4 * nproc, nproc=nproc)
+    else:
+        extra, message = FLAGS[case]
+        flags = [*TINY, *out_args(run), "--max_steps", "2", "--save_interval", "1", *extra]
+    plant_checkpoints(run)
+    return flags, run, message
+
+
+@pytest.fixture(scope="module")
+def failed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad_input")
+    results = {}
+    for case in [*DATA, *FLAGS]:
+        flags, run, message = prepare(root, case, 1)
+        before = outputs_digest(run)
+        results[case] = (train_in_process(flags, run), message, run, before)
+    return results
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad_input_launched")
+    jobs, cases = {}, {}
+    for case, nproc in LAUNCHED.items():
+        flags, run, message = prepare(root, case, nproc)
+        jobs[case] = job(nproc, flags, run)
+        cases[case] = (message, run, outputs_digest(run))
     results = run_all(jobs, timeout=120)
-    return {case: (results[case], expected[case], jobs[case][1], before[case]) for case in jobs}
+    return {case: (results[case], *cases[case]) for case in jobs}
 
 
 @pytest.mark.parametrize("case", [*DATA, *FLAGS])
 def test_one_line_error_nonzero_exit_and_checkpoints_untouched(failed, case):
     result, message, run, before = failed[case]
+    out = result.stdout
+    assert result.returncode == 2, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    lines = error_lines(out)
+    assert len(lines) == 1, f"expected one error line, got {lines}\n{out[-3000:]}"
+    assert message in lines[0], lines[0]
+    assert out.count(message) == 1
+    assert outputs_digest(run) == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", LAUNCHED)
+def test_launched_one_line_error_nonzero_exit_and_checkpoints_untouched(launched, case):
+    result, message, run, before = launched[case]
     out = result.stdout
     assert result.returncode is not None, f"no exit within the timeout:\n{out[-3000:]}"
     assert result.returncode != 0, out[-3000:]

@@ -1,6 +1,7 @@
 """Resume checkpoints on disk: rotation, and what --from_resume 1 does with a damaged,
 half-written, missing or mismatched checkpoint. One process is enough here (the
-checkpoint is written by rank 0 alone); the resume attempts run two at a time."""
+checkpoint is written by rank 0 alone), and it need not be a process of its own: every
+run is train_pretrain.main() in this process, end to end from the flags to the exit code."""
 import os
 import re
 import shutil
@@ -8,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.fault_helpers import error_lines, job, outputs_digest, run_all
-from tests.launch_utils import TINY, out_args, run_training
+from tests.fault_helpers import error_lines, outputs_digest
+from tests.launch_utils import TINY, out_args, train_in_process
 from trainer.checkpoint import verify_checkpoint
 
 STEPS, SAVE = 8, 2  # saves at 2, 4, 6, 8; the default --keep_last 3 keeps 4, 6, 8
@@ -62,7 +63,7 @@ SCENARIOS = {
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     run = tmp_path_factory.mktemp("base")
-    result = run_training(1, [*BASE, *out_args(run), "--max_steps", str(STEPS)], run, launcher="python", timeout=180)
+    result = train_in_process([*BASE, *out_args(run), "--max_steps", str(STEPS)], run)
     assert result.returncode == 0, result.stdout[-3000:]
     return run
 
@@ -70,15 +71,14 @@ def base(tmp_path_factory):
 @pytest.fixture(scope="module")
 def attempts(base, tmp_path_factory):
     root = tmp_path_factory.mktemp("attempts")
-    jobs, before = {}, {}
+    results, before = {}, {}
     for scenario, (damage, extra) in SCENARIOS.items():
         run = root / scenario
         shutil.copytree(base, run, symlinks=True)
         damage(run)
         before[scenario] = outputs_digest(run)
         # BASE's TINY has --num_hidden_layers 2 / --hidden_size 64; a later flag wins in argparse.
-        jobs[scenario] = job(1, [*BASE, *out_args(run), "--from_resume", "1", *extra], run)
-    results = run_all(jobs, timeout=180)
+        results[scenario] = train_in_process([*BASE, *out_args(run), "--from_resume", "1", *extra], run)
     return {s: (results[s], root / s, before[s]) for s in SCENARIOS}
 
 

@@ -1,65 +1,24 @@
 """scripts/convert_model.py: .pth -> HF folders (native Qwen3 / Qwen3-MoE, minimind remote code) -> .pth."""
 import json
 import os
-import random
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import hf_to_state_dict, load_model, load_weights
 from scripts.convert_model import export_minimind, export_native, main, save_pth
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-FLAGS = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
-CLI_FLAGS = [x for name, value in FLAGS.items() for x in (f"--{name}", str(value))]
-
-
-def build_tokenizer(out_dir):
-    """A byte-level BPE tokenizer with the project's layout (pad 0, bos 1, eos 2, 6400 ids),
-    trained in under a second on random words, standing in for model/tokenizer.json."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    rng = random.Random(0)
-    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))) for _ in range(30000)]
-    lines = [" ".join(words[i : i + 20]) for i in range(0, len(words), 20)] + ["你好，世界！MiniMind 是一个小模型。"] * 5
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=6400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(lines, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>", unk_token="<|endoftext|>")
-    fast.save_pretrained(out_dir)
-    return Path(out_dir)
-
-
-def train_tiny(use_moe, steps=4):
-    """A few AdamW steps on random tokens, so the weights are no longer the init."""
-    torch.manual_seed(0)
-    model = MiniMindForCausalLM(MiniMindConfig(**FLAGS, use_moe=use_moe)).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for _ in range(steps):
-        ids = torch.randint(3, 6400, (4, 32))
-        out = model(ids, labels=ids)
-        (out.loss + out.aux_loss).backward()
-        opt.step()
-        opt.zero_grad()
-    return model.eval()
+from tests.launch_utils import CLI_FLAGS, FLAGS, train_tiny
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory):
+def work(tmp_path_factory, tiny_tokenizer_dir):
     """Trained tiny dense and MoE models saved as .pth, exported in every supported way."""
     root = tmp_path_factory.mktemp("convert")
-    tok_dir = build_tokenizer(root / "tokenizer")
+    tok_dir = tiny_tokenizer_dir
     runs = {}
     for use_moe in (False, True):
         name = "moe" if use_moe else "dense"
@@ -122,6 +81,7 @@ torch.save(results, sys.argv[1] + ".out")
 """
 
 
+@pytest.mark.slow
 def test_minimind_export_loads_with_remote_code_from_anywhere(work, tmp_path):
     root, _, runs = work
     ids_file = tmp_path / "ids.pt"

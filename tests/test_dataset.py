@@ -10,12 +10,6 @@ from dataset.lm_dataset import DataError, PretrainDataset, iter_jsonl_texts
 from tests import helpers_data
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(helpers_data.REPO_TOKENIZER)
-
-
 def encode(tokenizer, text):
     return tokenizer(text, add_special_tokens=False).input_ids
 

@@ -7,7 +7,6 @@ from pathlib import Path
 from dataset.demo_corpus import build_demo_corpus, clean_doc, ensure_demo_corpus
 from scripts.build_demo_corpus import main
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 MODULES = ["json", "textwrap", "heapq"]
 
 

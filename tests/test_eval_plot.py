@@ -3,9 +3,6 @@ import io
 import json
 import math
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,18 +11,17 @@ from transformers import AutoTokenizer
 
 from model.weights import load_model
 from scripts.convert_model import save_pth
-from scripts.eval_llm import TextStreamer, perplexity
+from scripts.eval_llm import TextStreamer, main as eval_main, perplexity
 from scripts.plot_loss import main as plot_main
-from tests.test_convert import CLI_FLAGS, FLAGS, build_tokenizer, train_tiny
+from tests.launch_utils import CLI_FLAGS, FLAGS, train_tiny
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 DOCS = ["hello world and the quick brown fox", "你好，世界！", "", "a b c d e f g h i j k l m n o p " * 20]
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tmp_path_factory, tiny_tokenizer_dir):
     root = tmp_path_factory.mktemp("eval")
-    tok_dir = build_tokenizer(root / "tokenizer")
+    tok_dir = tiny_tokenizer_dir
     pth = root / "pretrain_64.pth"
     save_pth(train_tiny(use_moe=False).state_dict(), pth)
     data = root / "val.jsonl"
@@ -33,14 +29,13 @@ def setup(tmp_path_factory):
     return root, tok_dir, pth, data
 
 
-def test_eval_cli_generates_and_measures_perplexity(setup):
-    root, tok_dir, pth, data = setup
-    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "eval_llm.py"), "--weight_path", str(pth), *CLI_FLAGS,
-           "--tokenizer_path", str(tok_dir), "--prompt", "hello", "--prompt", "你好", "--max_new_tokens", "12",
-           "--ppl_data", str(data), "--max_seq_len", "64", "--device", "cpu"]
-    result = subprocess.run(cmd, capture_output=True, text=True, cwd=root, stdin=subprocess.DEVNULL)
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
+def test_eval_cli_generates_and_measures_perplexity(setup, capsys):
+    _, tok_dir, pth, data = setup
+    capsys.readouterr()
+    eval_main(["--weight_path", str(pth), *CLI_FLAGS, "--tokenizer_path", str(tok_dir), "--prompt", "hello",
+               "--prompt", "你好", "--max_new_tokens", "12", "--ppl_data", str(data), "--max_seq_len", "64",
+               "--device", "cpu"])
+    lines = capsys.readouterr().out.splitlines()  # it returned: the CLI's exit code 0
     match = re.fullmatch(r"ppl_data=(\S+) docs=(\d+) tokens=(\d+) loss=(\S+) ppl=(\S+) bits_per_byte=(\S+)", lines[0])
     assert match, lines[0]
     docs, tokens, loss, ppl = int(match[2]), int(match[3]), float(match[4]), float(match[5])
@@ -103,7 +98,6 @@ def test_streamer_prints_exactly_the_decoded_continuation(setup):
 
 
 def test_eval_bad_input_is_one_line(setup, capsys):
-    from scripts.eval_llm import main as eval_main
 
     root, tok_dir, pth, _ = setup
     for argv, expected in [

@@ -1,14 +1,17 @@
 """trainer/optim.py: the auto dtype, parameter groups, Muon under DDP/FSDP and exact
 resume with Muon, the per-group schedule; dataset/token_bytes.py: bits per byte."""
 import math
+import runpy
 import subprocess
+import sys
 
 import pytest
 import torch
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.launch_utils import (
-    PYTHON, REPO_ROOT, TINY, TORCHRUN, assert_bitwise_equal, latest_checkpoint, out_args, run_env, run_training,
+    REPO_ROOT, TINY, TORCHRUN, assert_bitwise_equal, latest_checkpoint, out_args, run_env, run_in_process,
+    run_training, train_in_process,
 )
 from trainer import optim
 from trainer.optim import OptimConfig, build_optimizer, param_groups, peak_lrs, resolve_dtype, set_lr
@@ -142,12 +145,24 @@ WORKER = REPO_ROOT / "tests" / "muon_step_worker.py"
 
 
 def _muon_steps(tmp_path, name, parallel, nproc):
+    """The worker's losses and weights: under torchrun, or for one process in this process."""
     out = tmp_path / f"{name}.pt"
-    launcher = [PYTHON] if nproc == 1 else [*TORCHRUN, "--standalone", f"--nproc_per_node={nproc}"]
-    result = subprocess.run([*launcher, str(WORKER), str(out), parallel], env=run_env(tmp_path),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    if nproc == 1:
+        result = run_in_process(lambda: _run_worker_here(out, parallel), tmp_path)
+    else:
+        result = subprocess.run([*TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", str(WORKER), str(out),
+                                 parallel], env=run_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:]
     return torch.load(out, weights_only=True)
+
+
+def _run_worker_here(out, parallel):
+    argv, sys.argv = sys.argv, [str(WORKER), str(out), parallel]
+    try:
+        runpy.run_path(str(WORKER), run_name="__main__")
+    finally:
+        sys.argv = argv
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +175,7 @@ def _relative_update_error(run, reference, init):
     return max(((run[k] - reference[k]).norm() / (reference[k] - init[k]).norm()).item() for k in reference)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_muon_data_parallel_matches_one_process(muon_single, tmp_path, parallel):
     """Muon orthogonalises each whole gradient matrix in bf16 (torch.optim.Muon), so a
@@ -172,17 +188,19 @@ def test_muon_data_parallel_matches_one_process(muon_single, tmp_path, parallel)
     assert _relative_update_error(run["weights"], muon_single["weights"], init) < 0.05
 
 
+@pytest.mark.slow
 def test_muon_resumes_bitwise_after_a_kill(tmp_path):
     """One process, Muon + AdamW: killed at step 5, resumed from the step-4 checkpoint,
-    the final weights and optimizer state of both optimizers equal an uninterrupted run's."""
+    the final weights and optimizer state of both optimizers equal an uninterrupted run's.
+    Only the killed run is a process of its own (it SIGKILLs itself); the uninterrupted and
+    the resumed run are in-process, on one thread as the launched one."""
     base = [*TINY, "--optimizer", "muon", "--max_steps", "6", "--save_interval", "2"]  # the later flag wins
-    whole = run_training(1, [*base, *out_args(tmp_path / "whole")], tmp_path, launcher="python")
+    whole = train_in_process([*base, *out_args(tmp_path / "whole")], tmp_path)
     assert whole.returncode == 0, whole.stdout[-3000:]
     killed = run_training(1, [*base, *out_args(tmp_path / "killed")], tmp_path, launcher="python",
                           env={"MINIMIND_FAULT_AT_STEP": "5", "MINIMIND_FAULT_KIND": "kill"})
     assert killed.returncode != 0
-    resumed = run_training(1, [*base, *out_args(tmp_path / "killed"), "--from_resume", "1"], tmp_path,
-                           launcher="python")
+    resumed = train_in_process([*base, *out_args(tmp_path / "killed"), "--from_resume", "1"], tmp_path)
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     assert "resumed from" in resumed.stdout and "step 4/6" in resumed.stdout
     a, b = latest_checkpoint(tmp_path / "whole"), latest_checkpoint(tmp_path / "killed")

@@ -13,19 +13,14 @@ from dataset.packed_dataset import (PackedPretrainDataset, document_causal_mask,
                                     read_meta, write_meta)
 from scripts.prepare_data import prepare
 from tests import helpers_data
+from tests.launch_utils import REPO_ROOT
 
-PREPARE_SCRIPT = helpers_data.REPO_ROOT / "scripts" / "prepare_data.py"
-
-
-@pytest.fixture(scope="module")
-def tok_dir():
-    return helpers_data.REPO_TOKENIZER
+PREPARE_SCRIPT = REPO_ROOT / "scripts" / "prepare_data.py"
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tok_dir):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(tok_dir)
+def tok_dir(tokenizer_dir):
+    return tokenizer_dir
 
 
 def write_stream(path, tokens, vocab_size=400, num_docs=1):
@@ -135,6 +130,7 @@ def test_skip_bad_lines_counts_them(tmp_path, tok_dir):
     assert read_meta(tmp_path / "c.bin")["num_docs"] == 3
 
 
+@pytest.mark.slow
 def test_bad_line_without_flag_exits_2(tmp_path, tok_dir):
     data = tmp_path / "corpus.jsonl"
     data.write_text('{"text": "one"}\n{"text": "two"}\n{"text": oops}\n{"text": "four"}\n')

@@ -3,10 +3,16 @@ exactly, and --doc_mask keeps attention inside documents."""
 import json
 
 import pytest
+import torch
 
+from model.model_minimind import MiniMindForCausalLM
+from tests.helpers_data import SAMPLE_TEXTS, write_jsonl
 from tests.launch_utils import (
-    TINY, assert_bitwise_equal, latest_checkpoint, out_args, run_training, small_corpus,
+    TINY, assert_bitwise_equal, latest_checkpoint, max_abs_diff, out_args, read_metrics, run_training, small_corpus,
+    train_in_process,
 )
+
+BOS = 1  # model/tokenizer.json's <|im_start|>, which starts every packed document
 
 
 @pytest.fixture(scope="module")
@@ -18,6 +24,7 @@ def _args(corpus, run_dir, *extra):
     return [*TINY, "--data_path", str(corpus), *out_args(run_dir), "--max_steps", "6", "--save_interval", "3", *extra]
 
 
+@pytest.mark.slow
 def test_packed_run_trains_only_real_tokens_and_resumes_exactly(packed_corpus, tmp_path):
     straight = run_training(2, _args(packed_corpus, tmp_path / "straight"), tmp_path)
     assert straight.returncode == 0, straight.stdout[-3000:]
@@ -36,8 +43,53 @@ def test_packed_run_trains_only_real_tokens_and_resumes_exactly(packed_corpus, t
                          latest_checkpoint(tmp_path / "resumed")["model"])
 
 
-def test_doc_mask_trains(packed_corpus, tmp_path):
-    result = run_training(1, _args(packed_corpus, tmp_path, "--doc_mask", "1", "--max_steps", "2"), tmp_path,
-                          launcher="python")
-    assert result.returncode == 0, result.stdout[-3000:]
-    assert latest_checkpoint(tmp_path)["global_step"] == 2
+@pytest.fixture(scope="module")
+def short_documents(tmp_path_factory):
+    """A packed corpus of ~20-token documents: every 64-token window holds several."""
+    from scripts.prepare_data import prepare
+
+    work = tmp_path_factory.mktemp("short_documents")
+    texts = [f"document {i}: {SAMPLE_TEXTS[i % len(SAMPLE_TEXTS)]}" for i in range(400)]
+    write_jsonl(work / "short.jsonl", texts)
+    prepare(work / "short.jsonl", work / "short.bin", num_proc=1)
+    return work / "short.bin"
+
+
+def test_doc_mask_trains(short_documents, tmp_path, monkeypatch):
+    """--doc_mask 1 hands the model a mask that keeps every position inside its document,
+    and so trains differently from --doc_mask 0 on the same windows."""
+    packed_corpus = short_documents
+    seen = []  # (input_ids, attention_mask) of every training forward
+    forward = MiniMindForCausalLM.forward
+
+    def recording(self, input_ids, attention_mask=None, *args, **kwargs):
+        seen.append((input_ids.clone(), attention_mask))
+        return forward(self, input_ids, attention_mask, *args, **kwargs)
+
+    monkeypatch.setattr(MiniMindForCausalLM, "forward", recording)
+    masked = train_in_process(_args(packed_corpus, tmp_path / "masked", "--doc_mask", "1", "--max_steps", "2"),
+                              tmp_path / "masked")
+    assert masked.returncode == 0, masked.stdout[-3000:]
+    assert latest_checkpoint(tmp_path / "masked")["global_step"] == 2
+    assert len(seen) == 2
+    for ids, mask in seen:
+        # Windows that hold several documents: the case the mask is for.
+        assert ((ids[:, 1:] == BOS).sum(dim=1) > 0).all()
+        doc = torch.cumsum(ids == BOS, dim=1)
+        T = ids.shape[1]
+        allowed = (doc[:, :, None] == doc[:, None, :]) & torch.ones(T, T, dtype=torch.bool).tril()
+        assert mask is not None and mask.dtype == torch.bool
+        assert torch.equal(mask.squeeze(1), allowed)  # causal, and never across a document start
+        assert (~mask.squeeze(1)).tril(-1).any()  # some earlier positions are hidden
+
+    masked_windows = [ids for ids, _ in seen]
+    seen.clear()
+    plain = train_in_process(_args(packed_corpus, tmp_path / "plain", "--doc_mask", "0", "--max_steps", "2"),
+                             tmp_path / "plain")
+    assert plain.returncode == 0, plain.stdout[-3000:]
+    assert all(mask is None for _, mask in seen) and len(seen) == 2
+    assert all(torch.equal(a, b) for a, (b, _) in zip(masked_windows, seen))  # the same windows...
+    # ...yet another loss from the very first step, and other weights after two.
+    assert read_metrics(tmp_path / "masked")[0]["loss"] != read_metrics(tmp_path / "plain")[0]["loss"]
+    assert max_abs_diff(latest_checkpoint(tmp_path / "masked")["model"],
+                        latest_checkpoint(tmp_path / "plain")["model"]) > 0

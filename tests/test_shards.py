@@ -33,8 +33,8 @@ TEXTS = helpers_data.SAMPLE_TEXTS * 3  # 15 documents
 
 
 @pytest.fixture(scope="module")
-def tok_dir():
-    return helpers_data.REPO_TOKENIZER
+def tok_dir(tokenizer_dir):
+    return tokenizer_dir
 
 
 def split_corpus(folder, parts=3):
@@ -191,6 +191,7 @@ def test_the_trainer_reads_a_directory_of_jsonl_files_one_after_the_other(tmp_pa
 
 
 # ---------------------------------------------------------------------------- a killed prep resumes
+@pytest.mark.slow
 def test_a_killed_prep_resumes_and_skips_complete_shards(tmp_path, tok_dir):
     data = tmp_path / "data"
     data.mkdir()
@@ -283,6 +284,7 @@ def test_an_unfinished_prep_directory_is_refused(tmp_path, tok_dir):
 
 
 # ---------------------------------------------------------------------------- the real trainer, 2 processes
+@pytest.mark.slow
 def test_training_on_shards_resumes_bitwise_as_on_the_concatenated_file(tmp_path, tok_dir):
     """Both jobs side by side: 2 processes on the single .bin made from the concatenated
     inputs; 2 processes on the shard directory, one rank SIGKILLed at step 4, torchrun

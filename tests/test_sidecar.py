@@ -7,7 +7,6 @@ One in-process training run (a single step) stands for "what the trainer writes"
 everything else reads its files in-process.
 """
 import json
-import signal
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,10 +17,10 @@ from model.model_minimind import MiniMindConfig
 from model.weights import WeightsError, load_model, read_checkpoint, sidecar_path, sidecar_text
 from scripts.convert_model import main as convert_main, save_pth
 from scripts.eval_llm import main as eval_main
-from tests.launch_utils import TINY, ensure_demo_corpus, out_args
+from tests.launch_utils import TINY, ensure_demo_corpus, out_args, train_in_process
 from trainer.args import parse_args
-from trainer.train_pretrain import save_weights, train
-from trainer.trainer_utils import UserError, init_distributed_mode, init_model, model_config_from_args
+from trainer.train_pretrain import save_weights
+from trainer.trainer_utils import UserError, init_model, model_config_from_args
 
 # Not the trainer's defaults (hidden 512, 8 layers), so a load that ignored the sidecar would fail.
 SHAPE = {"hidden_size": 64, "num_hidden_layers": 2}
@@ -53,20 +52,12 @@ def trained(tmp_path_factory):
     corpus = work / "small.jsonl"
     corpus.write_text("".join(ensure_demo_corpus().open().readlines()[:200]))
 
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        shape_free = TINY[4:]
-        assert TINY[:4] == ["--hidden_size", "64", "--num_hidden_layers", "2"]
-        args = parse_args([*shape_free, "--from_weight", str(work / "start" / "start_64.pth"),
-                           "--data_path", str(corpus), "--max_steps", "1", "--save_interval", "1",
-                           *out_args(work / "run")])
-        assert train(args, init_distributed_mode(args.device, args.local_rank, args.dist_timeout)) == 0
-    finally:
-        torch.set_num_threads(threads)
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
+    shape_free = TINY[4:]
+    assert TINY[:4] == ["--hidden_size", "64", "--num_hidden_layers", "2"]
+    result = train_in_process([*shape_free, "--from_weight", str(work / "start" / "start_64.pth"),
+                               "--data_path", str(corpus), "--max_steps", "1", "--save_interval", "1",
+                               *out_args(work / "run")], work / "run")
+    assert result.returncode == 0, result.stdout[-3000:]
     return work / "run" / "out"
 
 

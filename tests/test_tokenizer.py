@@ -1,14 +1,14 @@
 """Tests for the committed tokenizer in model/ and for trainer/train_tokenizer.py."""
 import json
 import random
-from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
 from trainer.train_tokenizer import iter_texts, main as train_main
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from tests.launch_utils import REPO_ROOT
+
 MODEL_DIR = REPO_ROOT / "model"
 
 SAMPLES = [
@@ -37,13 +37,6 @@ def random_unicode(rng, n):
                          rng.randint(0x800, 0xD7FF), rng.randint(0x10000, 0x1FAFF)])
         chars.append(chr(cp))
     return "".join(chars)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    if not (MODEL_DIR / "tokenizer.json").is_file():
-        pytest.skip("model/tokenizer.json missing: run trainer/train_tokenizer.py")
-    return AutoTokenizer.from_pretrained(str(MODEL_DIR), local_files_only=True)
 
 
 def test_special_token_ids(tokenizer):

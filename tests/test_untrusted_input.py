@@ -18,8 +18,9 @@ from model.weights import WeightsError, load_model, read_checkpoint
 from scripts.convert_model import save_pth
 from scripts.eval_llm import main as eval_main
 from tests.fault_helpers import error_lines, run_all, worker_tracebacks
-from tests.launch_utils import PYTHON, REPO_ROOT, TINY, TORCHRUN, ensure_demo_corpus, out_args, train_cmd
-from tests.test_convert import FLAGS, train_tiny
+from tests.launch_utils import (
+    FLAGS, PYTHON, REPO_ROOT, TINY, TORCHRUN, ensure_demo_corpus, out_args, train_cmd, train_tiny,
+)
 from trainer import preflight
 from trainer.checkpoint import save_checkpoint, verify_checkpoint
 from trainer.train_pretrain import main as train_main, save_weights
@@ -88,6 +89,7 @@ def launched(tmp_path_factory):
     return root, results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("entry_point", ["eval_llm", "train_pretrain", "convert_model"])
 def test_payload_is_refused_by_every_entry_point(launched, entry_point):
     root, results = launched
@@ -101,6 +103,7 @@ def test_payload_is_refused_by_every_entry_point(launched, entry_point):
     assert "refused" in lines[0] and "evil.pth" in lines[0], lines[0]
 
 
+@pytest.mark.slow
 def test_bad_flag_under_torchrun_stops_every_rank_with_one_line(launched):
     root, results = launched
     result = results["torchrun_bad_flag"]
@@ -112,6 +115,7 @@ def test_bad_flag_under_torchrun_stops_every_rank_with_one_line(launched):
     assert not (root / "torchrun_bad_flag" / "out").exists()  # stopped before even creating --save_dir
 
 
+@pytest.mark.slow
 def test_fsdp_checkpoint_dir_must_be_shared_by_all_ranks(launched):
     root, results = launched
     assert results["shared_dir"].returncode == 0, results["shared_dir"].stdout[-3000:]

@@ -1,17 +1,16 @@
 """--use_wandb must work with no API key and no network: offline, and said so."""
 import re
 
-from tests.launch_utils import TINY, out_args, run_training
+from tests.launch_utils import TINY, out_args, train_in_process
 
 
 def test_wandb_without_key_logs_offline_and_resumes_the_same_run(tmp_path):
     no_key = {"WANDB_API_KEY": "", "WANDB_MODE": "", "WANDB_DIR": ""}
-    first = run_training(1, [*TINY, *out_args(tmp_path), "--max_steps", "2", "--use_wandb"], tmp_path,
-                         launcher="python", env=no_key)
+    first = train_in_process([*TINY, *out_args(tmp_path), "--max_steps", "2", "--use_wandb"], tmp_path, env=no_key)
     assert first.returncode == 0, first.stdout[-3000:]
     run_id = re.search(r"wandb: run (\w+) \(offline\)", first.stdout).group(1)
     assert list((tmp_path / "out" / "wandb").glob(f"offline-run-*-{run_id}"))
-    resumed = run_training(1, [*TINY, *out_args(tmp_path), "--max_steps", "4", "--use_wandb", "--from_resume", "1"],
-                           tmp_path, launcher="python", env=no_key)
+    resumed = train_in_process([*TINY, *out_args(tmp_path), "--max_steps", "4", "--use_wandb", "--from_resume", "1"],
+                               tmp_path, env=no_key)
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     assert f"wandb: run {run_id} (offline)" in resumed.stdout
