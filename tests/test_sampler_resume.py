@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from torch.utils.data import Dataset
 
-from tests.launch_utils import TINY, latest_checkpoint, out_args, read_metrics, run_training
+from tests.launch_utils import TINY, latest_checkpoint, out_args, read_metrics, run_training, train_in_process
 from trainer.data import ResumableDistributedSampler, make_train_loader
 from trainer.train_state import TrainState, plan_steps, resume_step
 
@@ -179,17 +179,18 @@ def resumed(tmp_path_factory):
     first = run_training(2, [*TINY, *out_args(run_dir), "--max_steps", str(K1), "--save_interval", str(K1)], run_dir)
     assert first.returncode == 0, first.stdout[-3000:]
     saved = latest_checkpoint(run_dir)
-    second = run_training(1, [*TINY, *out_args(run_dir), "--from_resume", "1", "--max_steps", str(K2)], run_dir,
-                          launcher="python")
+    second = train_in_process([*TINY, *out_args(run_dir), "--from_resume", "1", "--max_steps", str(K2)], run_dir)
     return run_dir, saved, second
 
 
+@pytest.mark.slow
 def test_first_run_saved_a_two_process_checkpoint(resumed):
     _, saved, _ = resumed
     assert (saved["world_size"], saved["global_step"], saved["step_in_epoch"], saved["epoch"]) == (2, K1, K1, 0)
     assert saved["samples_per_step"] == 4 * 2 and len(saved["rng"]) == 2
 
 
+@pytest.mark.slow
 def test_one_process_resume_logs_the_rescale_once(resumed):
     _, _, second = resumed
     assert second.returncode == 0, second.stdout[-3000:]
@@ -199,6 +200,7 @@ def test_one_process_resume_logs_the_rescale_once(resumed):
     assert re.search(rf"resumed from \S+_resume_step{K1:07d}\.pth at step {2 * K1}/{K2}", second.stdout)
 
 
+@pytest.mark.slow
 def test_max_steps_counts_rescaled_steps(resumed):
     """--max_steps is the run's total in this run's step size, the saved steps included
     after rescaling: 4 steps of 8 samples count as 8 of 4, so --max_steps 12 trains 4 more."""
@@ -214,17 +216,18 @@ def test_max_steps_counts_rescaled_steps(resumed):
     assert (run_dir / "out" / "pretrain_64.pth").is_file()
 
 
+@pytest.mark.slow
 def test_a_finished_run_resumed_again_trains_nothing_and_keeps_its_checkpoint(resumed, tmp_path):
     run_dir = tmp_path / "again"
     shutil.copytree(resumed[0], run_dir)
     before = sorted(p.name for p in (run_dir / "ckpt").iterdir())
-    again = run_training(1, [*TINY, *out_args(run_dir), "--from_resume", "1", "--max_steps", str(K2)], tmp_path,
-                         launcher="python")
+    again = train_in_process([*TINY, *out_args(run_dir), "--from_resume", "1", "--max_steps", str(K2)], tmp_path)
     assert again.returncode == 0, again.stdout[-3000:]
     assert "nothing left to train" in again.stdout
     assert sorted(p.name for p in (run_dir / "ckpt").iterdir()) == before
 
 
+@pytest.mark.slow
 def test_resume_picks_the_most_trained_checkpoint_not_the_highest_step(resumed, tmp_path):
     """1 process left step 12 (48 samples); 2 processes resume at step 6 and save step 8
     (64 samples). Step 8 is the newer checkpoint although its number is smaller."""

@@ -1,0 +1,78 @@
+"""The import direction of the packages, read from the source: `scripts` may import
+anything; `trainer` imports `model`, `dataset` and `common`; `model` and `dataset` import
+neither `trainer` nor `scripts`; `common` imports nothing of the repository. And no two
+modules import each other at load time, directly or through others."""
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("common", "model", "dataset", "trainer", "scripts")
+MAY_IMPORT = {
+    "common": {"common"},
+    "model": {"common", "model"},
+    "dataset": {"common", "model", "dataset"},
+    "trainer": {"common", "model", "dataset", "trainer"},
+    "scripts": set(PACKAGES),
+}
+
+
+def repo_imports(path: Path, top_level_only: bool) -> set[str]:
+    """Modules of the repository that `path` imports (all of them, or those at load time)."""
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else ast.walk(tree)
+    found = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+    return {name for name in found if name.split(".")[0] in PACKAGES}
+
+
+def modules() -> dict[str, Path]:
+    return {f"{p.parent.name}.{p.stem}": p for package in PACKAGES for p in (REPO_ROOT / package).glob("*.py")
+            if p.stem != "__init__"}
+
+
+def test_every_package_imports_only_its_own_layer_and_below():
+    wrong = [f"{name} imports {target}" for name, path in modules().items()
+             for target in repo_imports(path, top_level_only=False)
+             if target.split(".")[0] not in MAY_IMPORT[name.split(".")[0]]]
+    assert not wrong, wrong
+
+
+def test_no_import_cycle_at_load_time():
+    found = modules()
+    graph = {name: {t for t in repo_imports(path, top_level_only=True) if t in found} for name, path in found.items()}
+    done, on_path = set(), []
+
+    def visit(name):
+        if name in on_path:
+            raise AssertionError("import cycle: " + " -> ".join(on_path[on_path.index(name):] + [name]))
+        if name in done:
+            return
+        on_path.append(name)
+        for target in sorted(graph[name]):
+            visit(target)
+        on_path.pop()
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name)
+
+
+def test_the_check_sees_a_cycle_and_a_wrong_way_import(tmp_path, monkeypatch):
+    """The two checks above can fail: a planted cycle and a model -> trainer import are found."""
+    for package, text in {"model": "import trainer.b\n", "trainer": "import model.a\n"}.items():
+        (tmp_path / package).mkdir()
+        (tmp_path / package / ("a.py" if package == "model" else "b.py")).write_text(text)
+    for package in ("common", "dataset", "scripts"):
+        (tmp_path / package).mkdir()
+    monkeypatch.setattr(sys.modules[__name__], "REPO_ROOT", tmp_path)
+    with pytest.raises(AssertionError, match="model.a imports trainer.b"):
+        test_every_package_imports_only_its_own_layer_and_below()
+    with pytest.raises(AssertionError, match="import cycle"):
+        test_no_import_cycle_at_load_time()
