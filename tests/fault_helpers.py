@@ -1,11 +1,15 @@
 """Helpers of the fault-tolerance, checkpoint-safety and bad-input tests."""
+import fcntl
 import hashlib
 import os
+import random
 import re
 import signal
+import socket
 import subprocess
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,6 +60,49 @@ def run_all(jobs: dict, at_once: int = 2, timeout: float = 180) -> dict:
                                   time.monotonic() - start)
             running.remove(entry)
     return done
+
+
+# gloo's abort at exit ("terminate called without an active exception"), as the worker
+# or torchrun ("Signal 6 (SIGABRT)") reports it.
+ABORT_SIGNS = ("terminate called", "SIGABRT")
+
+
+def assert_clean_exit(returncode, output: str, what: str = "job"):
+    """A job that should succeed exited 0 and no rank aborted on the way out."""
+    signs = [sign for sign in ABORT_SIGNS if sign in output]
+    assert returncode == 0 and not signs, f"{what}: rc {returncode}, {signs}\n{output[-3000:]}"
+
+
+@contextmanager
+def agreed_port():
+    """A TCP port that several launchers agree on in advance (the nodes of a multi-node
+    or elastic job), kept for this test run until the block ends.
+
+    One torchrun picks its own port; separate nodes cannot, so the test picks one. Bind
+    port 0 and release it, and any process on the machine may take that port before
+    torchrun binds it. Ports below the kernel's ephemeral range are never handed out by
+    a bind to port 0 or to an outgoing connection, and an flock per port keeps test runs
+    side by side (a soak next to a full run) off each other's port."""
+    first_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    # Not 29xxx: torchrun's defaults (29400, 29500) are what a user's job nearby would bind.
+    candidates = [p for p in range(first_ephemeral - 6000, first_ephemeral) if not 29000 <= p < 30000]
+    start = random.randrange(len(candidates))
+    for port in candidates[start:] + candidates[:start]:
+        # /tmp, not $TMPDIR: every test run on the machine must see the same locks.
+        lock = open(f"/tmp/minimind-test-port-{port}.lock", "w")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port))  # free now (and not in TIME_WAIT)
+        except OSError:
+            lock.close()
+            continue
+        try:
+            yield port
+        finally:
+            lock.close()
+        return
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def tree_digest(root) -> dict:
