@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.launch_utils import TORCHRUN, TRAIN, run_env, train_cmd
+from tests.launch_utils import TINY, TORCHRUN, TRAIN, out_args, run_env, train_cmd
 
 
 @dataclass
@@ -60,6 +60,31 @@ def run_all(jobs: dict, at_once: int = 2, timeout: float = 180) -> dict:
                                   time.monotonic() - start)
             running.remove(entry)
     return done
+
+
+# Three steps, shared by test_compile (eager DDP is what compiled runs must match) and
+# test_clean_shutdown (a 2-process job that must exit cleanly). lr 5e-4, as in
+# test_scaling: Adam's first updates are ~lr * sign(g), so float noise in near-zero
+# gradients (fused kernels sum in another order) would otherwise exceed 1e-5. A long
+# --dist_timeout: one rank may wait while the other compiles.
+THREE_STEPS = [*TINY, "--learning_rate", "5e-4", "--max_steps", "3", "--save_interval", "3", "--dist_timeout", "600"]
+_SHARED_RUNS: dict = {}
+
+
+def shared_runs(tmp_path_factory, runs: dict, timeout: float = 240) -> dict:
+    """Uninterrupted runs that several test files need with the same flags, each run once
+    per pytest session: {name: (nproc, args)} -> {name: (run_dir, Finished)}. A run is
+    known by its process count and flags, so only identical runs are shared; those not
+    run yet run two at a time."""
+    keys = {name: (nproc, tuple(args)) for name, (nproc, args) in runs.items()}
+    missing = {}
+    for name, (nproc, args) in runs.items():
+        if keys[name] not in _SHARED_RUNS and keys[name] not in [keys[m] for m in missing]:
+            run_dir = tmp_path_factory.mktemp(name)
+            missing[name] = job(nproc, [*args, *out_args(run_dir)], run_dir)
+    for name, result in run_all(missing, timeout=timeout).items():
+        _SHARED_RUNS[keys[name]] = missing[name][1], result
+    return {name: _SHARED_RUNS[key] for name, key in keys.items()}
 
 
 # gloo's abort at exit ("terminate called without an active exception"), as the worker

@@ -7,20 +7,20 @@ multi-process tests N times. So the suite does not repeat a job here; instead ev
 2-process job that the suite already runs to completion (test_launch, test_scaling,
 test_fault_tolerance, test_compile, test_node_local_disks, ...) checks its exit with
 fault_helpers.assert_clean_exit: rc 0 and no abort signs in its output. This file keeps
-one DDP and one FSDP job, side by side, as the shortest run of the property by itself."""
+one DDP and one FSDP job, side by side, as the shortest run of the property by itself;
+the DDP one is the eager run test_compile compares with (fault_helpers.shared_runs)."""
 import pytest
 
-from tests.fault_helpers import assert_clean_exit, job, run_all
-from tests.launch_utils import TINY, ensure_demo_corpus, latest_checkpoint, out_args
+from tests.fault_helpers import THREE_STEPS, assert_clean_exit, shared_runs
+from tests.launch_utils import ensure_demo_corpus, latest_checkpoint
 
 
 @pytest.mark.slow
-def test_two_process_ddp_and_fsdp_jobs_exit_cleanly(tmp_path):
+def test_two_process_ddp_and_fsdp_jobs_exit_cleanly(tmp_path_factory):
     ensure_demo_corpus()
-    args = {"ddp": [], "fsdp": ["--parallel", "fsdp"]}
-    jobs = {name: job(2, [*TINY, *out_args(tmp_path / name), "--max_steps", "3", *extra], tmp_path / name)
-            for name, extra in args.items()}
-    for name, result in run_all(jobs, timeout=240).items():
+    runs = shared_runs(tmp_path_factory, {"eager_ddp": (2, THREE_STEPS),
+                                          "eager_fsdp": (2, [*THREE_STEPS, "--parallel", "fsdp"])})
+    for name, (_, result) in runs.items():
         assert_clean_exit(result.returncode, result.stdout, name)
-    assert latest_checkpoint(tmp_path / "ddp")["global_step"] == 3
-    assert latest_checkpoint(tmp_path / "fsdp", suffix=".dcp")["global_step"] == 3
+    assert latest_checkpoint(runs["eager_ddp"][0])["global_step"] == 3
+    assert latest_checkpoint(runs["eager_fsdp"][0], suffix=".dcp")["global_step"] == 3
