@@ -1,15 +1,19 @@
 """Helpers of the fault-tolerance, checkpoint-safety and bad-input tests."""
+import fcntl
 import hashlib
 import os
+import random
 import re
 import signal
+import socket
 import subprocess
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.launch_utils import TORCHRUN, TRAIN, run_env, train_cmd
+from tests.launch_utils import TINY, TORCHRUN, TRAIN, out_args, run_env, train_cmd
 
 
 @dataclass
@@ -56,6 +60,74 @@ def run_all(jobs: dict, at_once: int = 2, timeout: float = 180) -> dict:
                                   time.monotonic() - start)
             running.remove(entry)
     return done
+
+
+# Three steps, shared by test_compile (eager DDP is what compiled runs must match) and
+# test_clean_shutdown (a 2-process job that must exit cleanly). lr 5e-4, as in
+# test_scaling: Adam's first updates are ~lr * sign(g), so float noise in near-zero
+# gradients (fused kernels sum in another order) would otherwise exceed 1e-5. A long
+# --dist_timeout: one rank may wait while the other compiles.
+THREE_STEPS = [*TINY, "--learning_rate", "5e-4", "--max_steps", "3", "--save_interval", "3", "--dist_timeout", "600"]
+_SHARED_RUNS: dict = {}
+
+
+def shared_runs(tmp_path_factory, runs: dict, timeout: float = 240) -> dict:
+    """Uninterrupted runs that several test files need with the same flags, each run once
+    per pytest session: {name: (nproc, args)} -> {name: (run_dir, Finished)}. A run is
+    known by its process count and flags, so only identical runs are shared; those not
+    run yet run two at a time."""
+    keys = {name: (nproc, tuple(args)) for name, (nproc, args) in runs.items()}
+    missing = {}
+    for name, (nproc, args) in runs.items():
+        if keys[name] not in _SHARED_RUNS and keys[name] not in [keys[m] for m in missing]:
+            run_dir = tmp_path_factory.mktemp(name)
+            missing[name] = job(nproc, [*args, *out_args(run_dir)], run_dir)
+    for name, result in run_all(missing, timeout=timeout).items():
+        _SHARED_RUNS[keys[name]] = missing[name][1], result
+    return {name: _SHARED_RUNS[key] for name, key in keys.items()}
+
+
+# gloo's abort at exit ("terminate called without an active exception"), as the worker
+# or torchrun ("Signal 6 (SIGABRT)") reports it.
+ABORT_SIGNS = ("terminate called", "SIGABRT")
+
+
+def assert_clean_exit(returncode, output: str, what: str = "job"):
+    """A job that should succeed exited 0 and no rank aborted on the way out."""
+    signs = [sign for sign in ABORT_SIGNS if sign in output]
+    assert returncode == 0 and not signs, f"{what}: rc {returncode}, {signs}\n{output[-3000:]}"
+
+
+@contextmanager
+def agreed_port():
+    """A TCP port that several launchers agree on in advance (the nodes of a multi-node
+    or elastic job), kept for this test run until the block ends.
+
+    One torchrun picks its own port; separate nodes cannot, so the test picks one. Bind
+    port 0 and release it, and any process on the machine may take that port before
+    torchrun binds it. Ports below the kernel's ephemeral range are never handed out by
+    a bind to port 0 or to an outgoing connection, and an flock per port keeps test runs
+    side by side (a soak next to a full run) off each other's port."""
+    first_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    # Not 29xxx: torchrun's defaults (29400, 29500) are what a user's job nearby would bind.
+    candidates = [p for p in range(first_ephemeral - 6000, first_ephemeral) if not 29000 <= p < 30000]
+    start = random.randrange(len(candidates))
+    for port in candidates[start:] + candidates[:start]:
+        # /tmp, not $TMPDIR: every test run on the machine must see the same locks.
+        lock = open(f"/tmp/minimind-test-port-{port}.lock", "w")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port))  # free now (and not in TIME_WAIT)
+        except OSError:
+            lock.close()
+            continue
+        try:
+            yield port
+        finally:
+            lock.close()
+        return
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def tree_digest(root) -> dict:

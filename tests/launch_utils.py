@@ -58,12 +58,14 @@ def out_args(run_dir) -> list[str]:
 
 
 def train_cmd(nproc: int, args, launcher: str = "torchrun") -> list[str]:
+    """No --master_port: on one node both launchers then host the rendezvous store on a
+    port the kernel picks (torch/distributed/run.py turns it into c10d on localhost:0),
+    where free_port()'s bind-then-release could lose the port to another process."""
     if nproc == 1 and launcher == "python":
         return [PYTHON, str(TRAIN), *args]
     if launcher == "legacy":
-        return [PYTHON, "-m", "torch.distributed.launch", f"--nproc_per_node={nproc}",
-                f"--master_port={free_port()}", str(TRAIN), *args]
-    return [*TORCHRUN, f"--nproc_per_node={nproc}", f"--master_port={free_port()}", str(TRAIN), *args]
+        return [PYTHON, "-m", "torch.distributed.launch", f"--nproc_per_node={nproc}", str(TRAIN), *args]
+    return [*TORCHRUN, f"--nproc_per_node={nproc}", str(TRAIN), *args]
 
 
 def run_training(nproc, args, tmp_path, launcher="torchrun", env=None, timeout=240, cwd=None):

@@ -1,31 +1,30 @@
 """--use_compile 1 under torchrun trains like eager: torch.compile around the DDP module
 (dynamo splits the graph at DDP's buckets), and per-block compile inside FSDP2."""
+import pytest
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from model.model_minimind import MiniMindForCausalLM
-from tests.fault_helpers import job, run_all
-from tests.launch_utils import TINY, latest_checkpoint, load_checkpoint, max_abs_diff, out_args
+from tests.fault_helpers import THREE_STEPS, assert_clean_exit, job, run_all, shared_runs
+from tests.launch_utils import latest_checkpoint, load_checkpoint, max_abs_diff, out_args
 from trainer.args import parse_args
 from trainer.trainer_utils import model_config_from_args, setup_seed
 
 STEPS = 3
-# lr 5e-4, as in test_scaling: Adam's first updates are ~lr * sign(g), so float noise in
-# near-zero gradients (fused kernels sum in another order) would otherwise exceed 1e-5.
-BASE = [*TINY, "--learning_rate", "5e-4", "--max_steps", str(STEPS), "--save_interval", str(STEPS),
-        "--dist_timeout", "600"]
+BASE = THREE_STEPS  # lr 5e-4 and a long --dist_timeout: see fault_helpers
 
 
-def test_compiled_ddp_and_fsdp_match_eager_ddp(tmp_path):
+@pytest.mark.slow
+def test_compiled_ddp_and_fsdp_match_eager_ddp(tmp_path, tmp_path_factory):
+    eager_dir, eager_run = shared_runs(tmp_path_factory, {"eager_ddp": (2, BASE)})["eager_ddp"]
     jobs = {
-        "eager": job(2, [*BASE, *out_args(tmp_path / "eager")], tmp_path / "eager"),
         "ddp": job(2, [*BASE, *out_args(tmp_path / "ddp"), "--use_compile", "1"], tmp_path / "ddp"),
         "fsdp": job(2, [*BASE, *out_args(tmp_path / "fsdp"), "--use_compile", "1", "--parallel", "fsdp"],
                     tmp_path / "fsdp"),
     }
-    done = run_all(jobs, timeout=600)
+    done = {"eager": eager_run, **run_all(jobs, timeout=600)}
     for name, result in done.items():
-        assert result.returncode == 0, f"{name}:\n{result.stdout[-3000:]}"
-    eager = latest_checkpoint(tmp_path / "eager")["model"]
+        assert_clean_exit(result.returncode, result.stdout, name)
+    eager = latest_checkpoint(eager_dir)["model"]
     compiled_ddp = latest_checkpoint(tmp_path / "ddp")["model"]
     dcp_to_torch_save(tmp_path / "fsdp" / "ckpt" / f"pretrain_64_resume_step{STEPS:07d}.dcp", tmp_path / "fsdp.pt")
     compiled_fsdp = load_checkpoint(tmp_path / "fsdp.pt")["model"]

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.fault_helpers import ElasticAgent, wait_until, worker_tracebacks
-from tests.launch_utils import TINY, free_port, latest_checkpoint, max_abs_diff, out_args, run_training
+from tests.fault_helpers import ElasticAgent, agreed_port, assert_clean_exit, wait_until, worker_tracebacks
+from tests.launch_utils import TINY, latest_checkpoint, max_abs_diff, out_args, start_training
 
 STEPS, SAVE = 100, 10
 # lr 2e-4: Adam's early updates are ~lr * sign(g), so the float noise of another world
@@ -28,12 +28,31 @@ STEP_LINE = r"^epoch \d+/\d+ step \d+/"
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The same run in one plain process, never interrupted."""
+    """The same run in one plain process, never interrupted. It starts at once and trains
+    while the elastic agents below wait out their rendezvous; reference() waits for it
+    and returns its final checkpoint."""
     run = tmp_path_factory.mktemp("reference")
-    result = run_training(1, [*ARGS, *out_args(run)], run, launcher="python", timeout=480)
-    assert result.returncode == 0, result.stdout[-3000:]
-    assert "accumulation=2" in result.stdout
-    return latest_checkpoint(run)
+    proc = start_training(1, [*ARGS, *out_args(run)], run, launcher="python")
+    final = {}
+
+    def wait():
+        if not final:
+            output = proc.communicate(timeout=480)[0]
+            assert_clean_exit(proc.returncode, output, "reference")
+            assert "accumulation=2" in output
+            final.update(latest_checkpoint(run))
+        return final
+    yield wait
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture
+def port():
+    """The rendezvous endpoint's port, which every agent must know before it starts."""
+    with agreed_port() as agreed:
+        yield agreed
 
 
 def start_first_agent(run, port) -> ElasticAgent:
@@ -56,8 +75,8 @@ def resumed_at(output) -> list[int]:
     return [int(s) for s in re.findall(r"resumed from \S+ at step (\d+)/", output)]
 
 
-def test_losing_a_node_the_survivor_resumes_alone_and_matches(tmp_path, reference):
-    port = free_port()
+@pytest.mark.slow
+def test_losing_a_node_the_survivor_resumes_alone_and_matches(tmp_path, reference, port):
     survivor = start_first_agent(tmp_path, port)
     doomed = ElasticAgent(port, [*ARGS, *out_args(tmp_path)], tmp_path, RDZV_CONF)
     agents = [survivor, doomed]
@@ -82,7 +101,7 @@ def test_losing_a_node_the_survivor_resumes_alone_and_matches(tmp_path, referenc
     assert re.search(r"world_size=1 micro_batch=4 accumulation=2 global_batch=8", out)
     final = latest_checkpoint(tmp_path)
     assert final["global_step"] == STEPS and final["world_size"] == 1
-    assert max_abs_diff(final["model"], reference["model"]) < 1e-5
+    assert max_abs_diff(final["model"], reference()["model"]) < 1e-5
 
     resumed_line = survivor.first_line_after(r"resumed from", killed_at)
     first_step = survivor.first_line_after(STEP_LINE, resumed_line)
@@ -90,8 +109,8 @@ def test_losing_a_node_the_survivor_resumes_alone_and_matches(tmp_path, referenc
           f"(rdzv_conf {RDZV_CONF})")
 
 
-def test_a_node_that_joins_later_is_taken_in_at_the_next_restart(tmp_path, reference):
-    port = free_port()
+@pytest.mark.slow
+def test_a_node_that_joins_later_is_taken_in_at_the_next_restart(tmp_path, reference, port):
     first = start_first_agent(tmp_path, port)
     wait_until(lambda: re.search(r"^epoch \d+/\d+ step 3/", first.output, re.M), 120, "step 3 alone", [first])
     assert "world_size=1 micro_batch=4 accumulation=2" in first.output
@@ -115,7 +134,7 @@ def test_a_node_that_joins_later_is_taken_in_at_the_next_restart(tmp_path, refer
     assert not worker_tracebacks(out + late.output)
     final = latest_checkpoint(tmp_path)
     assert final["global_step"] == STEPS and final["world_size"] == 2
-    assert max_abs_diff(final["model"], reference["model"]) < 1e-5
+    assert max_abs_diff(final["model"], reference()["model"]) < 1e-5
 
 
 # ---------------------------------------------------------------------------- in-process units

@@ -20,12 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.fault_helpers import job, run_all, worker_tracebacks
+from tests.fault_helpers import assert_clean_exit, job, run_all, worker_tracebacks
 from tests.launch_utils import (
-    PYTHON, TINY, TORCHRUN, TRAIN, assert_bitwise_equal, free_port, latest_checkpoint, load_checkpoint, out_args,
-    run_env, run_training,
+    PYTHON, TINY, TRAIN, assert_bitwise_equal, latest_checkpoint, load_checkpoint, out_args, run_env, run_training,
+    train_cmd,
 )
 from trainer.checkpoint import verify_checkpoint
+
+pytestmark = pytest.mark.slow  # every test here launches processes
 
 N, K, SAVE = 12, 6, 4
 BASE = [*TINY, "--max_steps", str(N), "--save_interval", str(SAVE)]
@@ -92,7 +94,7 @@ def runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def uninterrupted(runs):
     result, run = runs["uninterrupted"]
-    assert result.returncode == 0, result.stdout[-3000:]
+    assert_clean_exit(result.returncode, result.stdout, "uninterrupted")
     final = latest_checkpoint(run)
     assert final["global_step"] == N
     return final
@@ -106,7 +108,7 @@ def test_killed_rank_then_resume_is_bitwise_identical(runs, uninterrupted):
     assert ckpt_steps(run) == [SAVE], "only the save before the kill exists"
 
     resumed = run_training(2, [*BASE, *out_args(run), "--from_resume", "1"], run, timeout=180)
-    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert_clean_exit(resumed.returncode, resumed.stdout, "resumed")
     assert f"pretrain_64_resume_step{SAVE:07d}.pth at step {SAVE}/{N}" in resumed.stdout
     assert train_lines(resumed.stdout)[0] == SAVE + 1
     final = latest_checkpoint(run)
@@ -175,7 +177,7 @@ def preempted(tmp_path_factory):
     """The 2-process job, SIGTERMed (torchrun's pid only, as a scheduler does) mid-run."""
     run = tmp_path_factory.mktemp("preempted")
     args = [*TINY, *out_args(run), "--max_steps", "100000", "--save_interval", str(PREEMPT_SAVE)]
-    proc = _start([*TORCHRUN, "--nproc_per_node=2", f"--master_port={free_port()}", str(TRAIN), *args], run)
+    proc = _start(train_cmd(2, args), run)
     seen = _wait_for_step(proc, run, PREEMPT_SAVE + 3)
     rc, output, seconds = _signal_and_wait(proc, lambda: proc.send_signal(signal.SIGTERM))
     return dict(run=run, args=args, seen=seen, rc=rc, output=output, seconds=seconds)
@@ -201,22 +203,42 @@ def test_resume_after_sigterm_continues_after_the_saved_step(preempted):
     run = preempted["run"]
     args = [a if a != "100000" else str(saved + 2) for a in preempted["args"]]
     resumed = run_training(2, [*args, "--from_resume", "1"], run, timeout=180)
-    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert_clean_exit(resumed.returncode, resumed.stdout, "resumed")
     assert f"at step {saved}/{saved + 2}" in resumed.stdout
     assert train_lines(resumed.stdout) == [saved + 1, saved + 2]
     assert latest_checkpoint(run)["global_step"] == saved + 2
 
 
+@pytest.fixture(scope="module")
+def single_process_signalled(tmp_path_factory):
+    """Two plain `python` runs side by side (one process each), one SIGTERMed, one SIGINTed
+    after step 3: {signame: (run_dir, rc, output, seconds to exit)}."""
+    started = {}
+    try:
+        for signame in ("SIGTERM", "SIGINT"):
+            run = tmp_path_factory.mktemp(signame)
+            # No periodic save: whichever run waits longer must still hold the signal's save only.
+            args = [*TINY, *out_args(run), "--max_steps", "100000", "--save_interval", "100000"]
+            started[signame] = run, _start([PYTHON, str(TRAIN), *args], run)
+        results = {}
+        for signame, (run, proc) in started.items():
+            _wait_for_step(proc, run, 3)
+            results[signame] = (run, *_signal_and_wait(proc, lambda: proc.send_signal(getattr(signal, signame))))
+        return results
+    finally:
+        for _, proc in started.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 @pytest.mark.parametrize("signame, code", [("SIGTERM", 143), ("SIGINT", 130)])
-def test_single_process_exit_code_is_128_plus_signal(tmp_path, signame, code):
+def test_single_process_exit_code_is_128_plus_signal(single_process_signalled, signame, code):
     """Without torchrun in between, the trainer's own exit code is visible."""
-    args = [*TINY, *out_args(tmp_path), "--max_steps", "100000", "--save_interval", "1000"]
-    proc = _start([PYTHON, str(TRAIN), *args], tmp_path)
-    _wait_for_step(proc, tmp_path, 3)
-    rc, output, seconds = _signal_and_wait(proc, lambda: proc.send_signal(getattr(signal, signame)))
+    run, rc, output, seconds = single_process_signalled[signame]
     assert rc == code, output[-3000:]
     assert seconds < 10
-    assert ckpt_steps(tmp_path) == [_saved_step(output)]
+    assert ckpt_steps(run) == [_saved_step(output)]
     assert "Traceback" not in output
 
 
@@ -225,8 +247,7 @@ def test_ctrl_c_to_the_whole_torchrun_process_group_saves(tmp_path):
     torchrun then forwards its own SIGINT: that echo must not kill the workers before
     they save. The echo is repeated 50 ms later, as a loaded machine delivers it."""
     args = [*TINY, *out_args(tmp_path), "--max_steps", "100000", "--save_interval", "1000"]
-    proc = _start([*TORCHRUN, "--nproc_per_node=2", f"--master_port={free_port()}", str(TRAIN), *args], tmp_path,
-                  new_session=True)
+    proc = _start(train_cmd(2, args), tmp_path, new_session=True)
     seen = _wait_for_step(proc, tmp_path, 3)
     workers = [int(pid) for pid in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
     assert len(workers) == 2
@@ -273,7 +294,7 @@ def test_a_repeated_signal_is_an_echo_at_first_and_kills_later(tmp_path):
 def test_nan_on_one_rank_skips_that_update_everywhere(runs):
     result, run = runs["nan"]
     k = NAN_K
-    assert result.returncode == 0, result.stdout[-3000:]
+    assert_clean_exit(result.returncode, result.stdout, "nan")
     assert result.stdout.count("update skipped") == 1
     assert f"step {k + 1}: non-finite loss or gradient norm on some rank; update skipped" in result.stdout
     assert ckpt_steps(run) == [k, k + 1, k + 2]
@@ -308,8 +329,7 @@ def test_a_rank_that_raises_ends_the_job_quickly_and_is_named(tmp_path):
     """Rank 1 raises before step 4 while rank 0 waits in that step's all-reduce: the job
     must end at once, not after --dist_timeout (30 s here)."""
     args = [*TINY, *out_args(tmp_path), "--max_steps", "50", "--save_interval", "1000", "--dist_timeout", "30"]
-    proc = _start([*TORCHRUN, "--nproc_per_node=2", f"--master_port={free_port()}", str(TRAIN), *args], tmp_path,
-                  env=fault("raise", at=3))
+    proc = _start(train_cmd(2, args), tmp_path, env=fault("raise", at=3))
     watchdog = threading.Timer(120, proc.kill)
     watchdog.start()
     lines, step3_at = [], None

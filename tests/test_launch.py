@@ -8,9 +8,10 @@ import subprocess
 
 import pytest
 
+from tests.fault_helpers import agreed_port, assert_clean_exit, job, run_all
 from tests.launch_utils import (
-    PYTHON, REPO_ROOT, TINY, TORCHRUN, TRAIN, ensure_demo_corpus, free_port, latest_checkpoint, load_checkpoint,
-    out_args, read_metrics, run_env, run_training,
+    PYTHON, REPO_ROOT, TINY, TORCHRUN, TRAIN, ensure_demo_corpus, latest_checkpoint, load_checkpoint, out_args,
+    read_metrics, run_env, train_cmd,
 )
 
 PREFIX = "pretrain_64"
@@ -26,15 +27,28 @@ def assert_one_set_of_files(run_dir, steps):
     assert [row["step"] for row in read_metrics(run_dir)] == list(range(1, steps + 1))
 
 
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """torchrun x2 for 30 steps and the legacy launcher x2 for 3, side by side:
+    {name: (run_dir, Finished)}."""
+    root = tmp_path_factory.mktemp("launch")
+    ensure_demo_corpus()  # the two jobs must not race to build it
+    legacy = [*TINY, *out_args(root / "legacy"), "--max_steps", "3"]
+    jobs = {"torchrun": job(2, [*TINY, *out_args(root / "torchrun"), "--max_steps", "30"], root / "torchrun"),
+            "legacy": (train_cmd(2, legacy, launcher="legacy"), root / "legacy", None)}
+    done = run_all(jobs, timeout=240)
+    return {name: (jobs[name][1], done[name]) for name in jobs}
+
+
 # ---------------------------------------------------------------------------- torchrun
 @pytest.fixture(scope="module")
-def torchrun_run(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("torchrun")
-    result = run_training(2, [*TINY, *out_args(run_dir), "--max_steps", "30"], run_dir)
-    assert result.returncode == 0, result.stdout[-3000:]
+def torchrun_run(launched):
+    run_dir, result = launched["torchrun"]
+    assert_clean_exit(result.returncode, result.stdout, "torchrun")
     return run_dir, result
 
 
+@pytest.mark.slow
 def test_torchrun_two_processes_loss_goes_down(torchrun_run):
     run_dir, _ = torchrun_run
     losses = [row["loss"] for row in read_metrics(run_dir)]
@@ -43,6 +57,7 @@ def test_torchrun_two_processes_loss_goes_down(torchrun_run):
     assert last < first - 0.5, f"loss did not go down: first 5 {first:.3f}, last 5 {last:.3f}"
 
 
+@pytest.mark.slow
 def test_torchrun_two_processes_writes_weights_and_checkpoint(torchrun_run):
     run_dir, result = torchrun_run
     assert "world_size=2" in result.stdout
@@ -55,38 +70,39 @@ def test_torchrun_two_processes_writes_weights_and_checkpoint(torchrun_run):
 
 
 # ---------------------------------------------------------------------------- legacy launcher
-def test_legacy_launcher_two_processes(tmp_path):
+@pytest.mark.slow
+def test_legacy_launcher_two_processes(launched):
     """torch.distributed.launch passes --local-rank=N on the command line."""
-    result = run_training(2, [*TINY, *out_args(tmp_path), "--max_steps", "3"], tmp_path, launcher="legacy")
-    assert result.returncode == 0, result.stdout[-3000:]
-    state = latest_checkpoint(tmp_path)
+    run_dir, result = launched["legacy"]
+    assert_clean_exit(result.returncode, result.stdout, "legacy launcher")
+    state = latest_checkpoint(run_dir)
     assert (state["world_size"], state["global_step"]) == (2, 3)
-    assert_one_set_of_files(tmp_path, 3)
+    assert_one_set_of_files(run_dir, 3)
 
 
 # ---------------------------------------------------------------------------- two nodes
+@pytest.mark.slow
 def test_two_nodes_of_one_process_train_together(tmp_path):
-    port = free_port()
-    procs = []
-    for node_rank in (0, 1):
-        node_dir = tmp_path / f"node{node_rank}"  # each "machine" starts in its own directory
-        node_dir.mkdir()
-        cmd = [*TORCHRUN, "--nnodes=2", "--nproc_per_node=1", f"--node_rank={node_rank}",
-               "--master_addr=127.0.0.1", f"--master_port={port}",
-               str(TRAIN), *TINY, *out_args(tmp_path), "--max_steps", "3"]
-        procs.append(subprocess.Popen(cmd, cwd=node_dir, env=run_env(tmp_path), text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=240)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    procs, outputs = [], []
+    with agreed_port() as port:
+        try:
+            for node_rank in (0, 1):
+                node_dir = tmp_path / f"node{node_rank}"  # each "machine" starts in its own directory
+                node_dir.mkdir()
+                cmd = [*TORCHRUN, "--nnodes=2", "--nproc_per_node=1", f"--node_rank={node_rank}",
+                       "--master_addr=127.0.0.1", f"--master_port={port}",
+                       str(TRAIN), *TINY, *out_args(tmp_path), "--max_steps", "3"]
+                procs.append(subprocess.Popen(cmd, cwd=node_dir, env=run_env(tmp_path), text=True,
+                                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+            for proc in procs:
+                outputs.append(proc.communicate(timeout=240)[0])
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
     for node_rank, (proc, output) in enumerate(zip(procs, outputs)):
-        assert proc.returncode == 0, f"node {node_rank}:\n{output[-3000:]}"
+        assert_clean_exit(proc.returncode, output, f"node {node_rank}")
     assert "world_size=2" in outputs[0]
     assert "world_size=" not in outputs[1]  # rank 1 logs nothing of its own
     state = latest_checkpoint(tmp_path)
@@ -96,6 +112,7 @@ def test_two_nodes_of_one_process_train_together(tmp_path):
 
 
 # ---------------------------------------------------------------------------- plain python, any cwd
+@pytest.mark.slow
 def test_plain_python_from_any_directory(tmp_path):
     """No launcher, default --tokenizer_path and --data_path: from an unrelated
     directory by absolute path, and from trainer/ as `python train_pretrain.py`."""
@@ -120,7 +137,7 @@ def test_plain_python_from_any_directory(tmp_path):
                 proc.wait()
     for name, (cwd, run_dir, proc) in runs.items():
         output = outputs[name]
-        assert proc.returncode == 0, f"from {cwd}:\n{output[-3000:]}"
+        assert_clean_exit(proc.returncode, output, f"from {cwd}")
         assert "world_size=1" in output and "device=cpu" in output
         state = latest_checkpoint(run_dir)
         assert (state["world_size"], state["global_step"], state["samples_per_step"]) == (1, 2, 4)

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.fault_helpers import agreed_port, assert_clean_exit
 from tests.helpers_data import SAMPLE_TEXTS, write_jsonl
-from tests.launch_utils import REPO_ROOT, TINY, TORCHRUN, free_port, read_metrics, run_env
+from tests.launch_utils import REPO_ROOT, TINY, TORCHRUN, read_metrics, run_env
 
 STEPS, SAVE, KILL = 16, 5, 13  # saves at 5 and 10, rank 1 dies before step 13
 RUN = [*TINY, "--data_path", "dataset/small.jsonl", "--checkpoint_dir", "ckpt", "--save_dir", "out",
@@ -27,20 +28,21 @@ def copy_repo(dest: Path) -> Path:
 
 
 def run_two_nodes(nodes, extra=(), env=None, timeout=240) -> list[tuple[int, str]]:
-    port = free_port()
-    procs = [subprocess.Popen(
-        [*TORCHRUN, "--nnodes=2", "--nproc_per_node=1", f"--node_rank={rank}", "--master_addr=127.0.0.1",
-         f"--master_port={port}", "trainer/train_pretrain.py", *RUN, *extra],
-        cwd=node, env=run_env(node, env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for rank, node in enumerate(nodes)]
-    try:
-        outputs = [proc.communicate(timeout=timeout)[0] for proc in procs]
-        return [(proc.returncode, output) for proc, output in zip(procs, outputs)]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    procs = []
+    with agreed_port() as port:
+        try:
+            for rank, node in enumerate(nodes):
+                procs.append(subprocess.Popen(
+                    [*TORCHRUN, "--nnodes=2", "--nproc_per_node=1", f"--node_rank={rank}", "--master_addr=127.0.0.1",
+                     f"--master_port={port}", "trainer/train_pretrain.py", *RUN, *extra],
+                    cwd=node, env=run_env(node, env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            outputs = [proc.communicate(timeout=timeout)[0] for proc in procs]
+            return [(proc.returncode, output) for proc, output in zip(procs, outputs)]
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
 
 
 def checkpoint_files(node: Path) -> list[str]:
@@ -53,6 +55,7 @@ def nodes(tmp_path_factory):
     return [copy_repo(root / f"node{rank}") for rank in (0, 1)]
 
 
+@pytest.mark.slow
 def test_resume_after_a_kill_needs_the_checkpoint_on_node_0_only(nodes):
     node0, node1 = nodes
     fault = {"MINIMIND_FAULT_AT_STEP": str(KILL), "MINIMIND_FAULT_RANK": "1"}
@@ -66,7 +69,7 @@ def test_resume_after_a_kill_needs_the_checkpoint_on_node_0_only(nodes):
 
     resumed = run_two_nodes(nodes, extra=["--from_resume", "1"])
     for rank, (rc, output) in enumerate(resumed):
-        assert rc == 0, f"node {rank}:\n{output[-3000:]}"
+        assert_clean_exit(rc, output, f"node {rank}")
     out0 = resumed[0][1]
     assert f"resumed from ckpt/pretrain_64_resume_step{2 * SAVE:07d}.pth at step {2 * SAVE}/{STEPS}" in out0
     trained = [int(m) for m in re.findall(r"^epoch \d+/\d+ step (\d+)/", out0, re.M)]

@@ -21,7 +21,8 @@ from dataset.lm_dataset import DataError
 from dataset.packed_dataset import write_meta
 from scripts.split_corpus import split_corpus
 from scripts.unigram_baseline import unigram_baseline
-from tests.launch_utils import free_port, run_env
+from tests.fault_helpers import assert_clean_exit
+from tests.launch_utils import run_env
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO_ROOT / "scripts" / "quickstart.sh"
@@ -58,13 +59,15 @@ def torchrun_path(tmp_path):
 # -----------------------------------------------------------------------------
 # the whole script
 
+@pytest.mark.slow
 def test_quickstart_runs_every_stage(tmp_path):
     corpus = tmp_path / "corpus.jsonl"
     write_jsonl(corpus, synthetic_corpus())
     work = tmp_path / "elsewhere"  # run from a directory that is not the repo root
     work.mkdir()
     env = run_env(tmp_path, {
-        "PYTHON": sys.executable, "TORCHRUN": torchrun_path(tmp_path), "QS_PORT": str(free_port()),
+        # No QS_PORT: the script's torchrun --standalone picks its own port.
+        "PYTHON": sys.executable, "TORCHRUN": torchrun_path(tmp_path),
         "QS_OUT": "qs",  # relative: must land under the caller's directory, not the repo's
         "QS_CORPUS": str(corpus), "QS_HIDDEN": "64", "QS_LAYERS": "2", "QS_SEQ": "64", "QS_BATCH": "4",
         "QS_STEPS": "10", "QS_WARMUP": "2", "QS_EVAL_INTERVAL": "5", "QS_VAL_EVERY": "10",
@@ -73,7 +76,7 @@ def test_quickstart_runs_every_stage(tmp_path):
     result = subprocess.run(["bash", str(QUICKSTART)], cwd=work, env=env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
     log = result.stdout
-    assert result.returncode == 0, log[-4000:]
+    assert_clean_exit(result.returncode, log, "quickstart.sh")  # its torchrun stage included
     for stage in range(1, 8):
         assert f"==== [{stage}/7]" in log, f"stage {stage} did not run:\n{log[-4000:]}"
 

@@ -1,12 +1,13 @@
 """Growing past DDP: a fixed global batch that survives world-size changes, FSDP2
 that trains like DDP, and DCP checkpoints that reload on a different world size."""
+import shutil
+
 import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.launch_utils import (
-    TINY, assert_bitwise_equal, latest_checkpoint, max_abs_diff, out_args, run_training,
-)
+from tests.fault_helpers import assert_clean_exit, job, run_all
+from tests.launch_utils import TINY, assert_bitwise_equal, ensure_demo_corpus, latest_checkpoint, max_abs_diff, out_args
 
 STEPS = 6
 # lr 5e-4: Adam's first updates are ~lr * sign(g), so float noise in near-zero
@@ -17,22 +18,53 @@ BASE = [*TINY, "--learning_rate", "5e-4", "--max_steps", str(STEPS), "--save_int
 KILL_AT_3 = {"MINIMIND_FAULT_AT_STEP": "3", "MINIMIND_FAULT_KIND": "kill", "MINIMIND_FAULT_RANK": "0"}
 
 
-def _run(tmp_path, run_dir, nproc, extra=(), env=None, expect_ok=True):
-    result = run_training(nproc, [*BASE, *out_args(run_dir), *extra], tmp_path,
-                          launcher="python" if nproc == 1 else "torchrun", env=env)
-    if expect_ok:
-        assert result.returncode == 0, result.stdout[-3000:]
-    else:
-        assert result.returncode != 0, "the injected kill did not stop the run"
-    return result
+# name: (processes of the killed run, processes of its resume, extra flags)
+INTERRUPTED = {"ws2to1": (2, 1, []), "ws1to2": (1, 2, []), "fsdp_killed": (2, 2, ["--parallel", "fsdp"]),
+               "dcp2to1": (2, 1, ["--parallel", "fsdp"])}
 
 
-def _interrupted_then_resumed(tmp_path, name, first_nproc, then_nproc, extra=()):
-    run_dir = tmp_path / name
-    _run(tmp_path, run_dir, first_nproc, extra, env=KILL_AT_3, expect_ok=False)
-    assert latest_checkpoint(run_dir, suffix=_suffix(extra, first_nproc))["global_step"] == 3
-    resumed = _run(tmp_path, run_dir, then_nproc, [*extra, "--from_resume", "1"])
-    return run_dir, resumed
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every run of this file, two at a time: first those that need no other run (the
+    uninterrupted ones and the killed ones), then the resumes of the killed ones.
+    dcp2to1 resumes a copy of fsdp_killed's folder, which is the same 2-process FSDP
+    run killed at the same step. {name: (run_dir, Finished)}, and for an interrupted
+    run also name + "/killed" and the step of its checkpoint after the kill."""
+    root = tmp_path_factory.mktemp("scaling")
+    ensure_demo_corpus()  # jobs side by side must not race to build it
+    first = {
+        # The 1-process jobs first: two of them share the two cores best.
+        "single": job(1, [*BASE, *out_args(root / "single")], root / "single"),
+        "ws1to2/killed": job(1, [*BASE, *out_args(root / "ws1to2")], root / "ws1to2", env=KILL_AT_3),
+        "ddp": job(2, [*BASE, *out_args(root / "ddp")], root / "ddp"),
+        "fsdp": job(2, [*BASE, *out_args(root / "fsdp"), "--parallel", "fsdp"], root / "fsdp"),
+        "bad_batch": job(2, [*BASE, *out_args(root / "bad"), "--global_batch_size", "12"], root / "bad"),
+        "ws2to1/killed": job(2, [*BASE, *out_args(root / "ws2to1")], root / "ws2to1", env=KILL_AT_3),
+        "fsdp_killed/killed": job(2, [*BASE, *out_args(root / "fsdp_killed"), "--parallel", "fsdp"],
+                                  root / "fsdp_killed", env=KILL_AT_3),
+    }
+    done = {name: (first[name][1], result) for name, result in run_all(first, timeout=240).items()}
+    shutil.copytree(root / "fsdp_killed", root / "dcp2to1", symlinks=True)
+    done["dcp2to1/killed"] = done["fsdp_killed/killed"]
+    resumes = {}
+    for name, (killed_nproc, nproc, extra) in INTERRUPTED.items():
+        saved = root / name / "ckpt" / f"pretrain_64_resume{_suffix(extra, killed_nproc)}"
+        done[f"{name}/step"] = saved.exists() and latest_checkpoint(root / name, suffix=saved.suffix)["global_step"]
+        resumes[name] = job(nproc, [*BASE, *out_args(root / name), *extra, "--from_resume", "1"], root / name)
+    done.update({name: (resumes[name][1], result) for name, result in run_all(resumes, timeout=240).items()})
+    return done
+
+
+def _ok(runs, name):
+    run_dir, result = runs[name]
+    assert_clean_exit(result.returncode, result.stdout, name)
+    return run_dir, result
+
+
+def _interrupted_then_resumed(runs, name):
+    assert runs[f"{name}/killed"][1].returncode != 0, "the injected kill did not stop the run"
+    assert runs[f"{name}/step"] == 3
+    return _ok(runs, name)
 
 
 def _suffix(extra, nproc):
@@ -40,28 +72,27 @@ def _suffix(extra, nproc):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("scaling")
-    _run(tmp, tmp / "single", 1)
-    return latest_checkpoint(tmp / "single")["model"]
+def uninterrupted(runs):
+    return latest_checkpoint(_ok(runs, "single")[0])["model"]
 
 
-def test_global_batch_derives_accumulation_from_world_size(tmp_path):
-    result = _run(tmp_path, tmp_path / "ws2", 2, ["--max_steps", "1"])
-    assert "world_size=2 micro_batch=4 accumulation=1 global_batch=8" in result.stdout
-    result = _run(tmp_path, tmp_path / "ws1", 1, ["--max_steps", "1"])
-    assert "world_size=1 micro_batch=4 accumulation=2 global_batch=8" in result.stdout
+@pytest.mark.slow
+def test_global_batch_derives_accumulation_from_world_size(runs):
+    assert "world_size=2 micro_batch=4 accumulation=1 global_batch=8" in _ok(runs, "ddp")[1].stdout
+    assert "world_size=1 micro_batch=4 accumulation=2 global_batch=8" in _ok(runs, "single")[1].stdout
 
 
-def test_global_batch_not_divisible_is_a_clear_error(tmp_path):
-    result = run_training(2, [*BASE, *out_args(tmp_path / "bad"), "--global_batch_size", "12"], tmp_path)
+@pytest.mark.slow
+def test_global_batch_not_divisible_is_a_clear_error(runs):
+    result = runs["bad_batch"][1]
     assert result.returncode != 0
     assert "--global_batch_size 12 is not a multiple of --batch_size 4 x 2 processes = 8" in result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("first, then", [(2, 1), (1, 2)])
-def test_resume_on_another_world_size_continues_exactly(uninterrupted, tmp_path, first, then):
-    run_dir, resumed = _interrupted_then_resumed(tmp_path, f"ws{first}to{then}", first, then)
+def test_resume_on_another_world_size_continues_exactly(uninterrupted, runs, first, then):
+    run_dir, resumed = _interrupted_then_resumed(runs, f"ws{first}to{then}")
     assert "resumed from" in resumed.stdout and "at step 3/6" in resumed.stdout
     final = latest_checkpoint(run_dir)
     assert final["global_step"] == STEPS and final["world_size"] == then
@@ -69,19 +100,18 @@ def test_resume_on_another_world_size_continues_exactly(uninterrupted, tmp_path,
 
 
 @pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ddp")
-    _run(tmp, tmp / "ddp", 2)
-    return latest_checkpoint(tmp / "ddp")["model"]
+def ddp_run(runs):
+    return latest_checkpoint(_ok(runs, "ddp")[0])["model"]
 
 
-def test_fsdp_matches_ddp_step_for_step(ddp_run, tmp_path):
-    _run(tmp_path, tmp_path / "fsdp", 2, ["--parallel", "fsdp"])
-    assert (tmp_path / "fsdp" / "ckpt" / "pretrain_64_resume_step0000006.dcp").is_dir()
-    fsdp = _full_weights_of_dcp(tmp_path, tmp_path / "fsdp")
+@pytest.mark.slow
+def test_fsdp_matches_ddp_step_for_step(ddp_run, runs, tmp_path):
+    fsdp_dir = _ok(runs, "fsdp")[0]
+    assert (fsdp_dir / "ckpt" / "pretrain_64_resume_step0000006.dcp").is_dir()
+    fsdp = _full_weights_of_dcp(tmp_path, fsdp_dir)
     assert max_abs_diff(fsdp, ddp_run) <= 1e-5
     # The seed-format weights are gathered on rank 0 and hold every tensor.
-    half = torch.load(tmp_path / "fsdp" / "out" / "pretrain_64.pth", weights_only=True)
+    half = torch.load(fsdp_dir / "out" / "pretrain_64.pth", weights_only=True)
     assert half.keys() == ddp_run.keys()
     assert max_abs_diff({k: v.float() for k, v in half.items()}, fsdp) <= 1e-3
 
@@ -93,16 +123,17 @@ def _full_weights_of_dcp(tmp_path, run_dir):
     return torch.load(out, weights_only=True)["model"]
 
 
-def test_fsdp_killed_and_resumed_matches_uninterrupted_fsdp(tmp_path):
-    _run(tmp_path, tmp_path / "straight", 2, ["--parallel", "fsdp"])
-    run_dir, _ = _interrupted_then_resumed(tmp_path, "killed", 2, 2, ["--parallel", "fsdp"])
-    straight = _full_weights_of_dcp(tmp_path, tmp_path / "straight")
+@pytest.mark.slow
+def test_fsdp_killed_and_resumed_matches_uninterrupted_fsdp(runs, tmp_path):
+    run_dir, _ = _interrupted_then_resumed(runs, "fsdp_killed")
+    straight = _full_weights_of_dcp(tmp_path, _ok(runs, "fsdp")[0])
     resumed = _full_weights_of_dcp(tmp_path, run_dir)
     assert_bitwise_equal(straight, resumed)
 
 
-def test_two_process_dcp_checkpoint_resumes_on_one_process(uninterrupted, tmp_path):
-    run_dir, resumed = _interrupted_then_resumed(tmp_path, "dcp2to1", 2, 1, ["--parallel", "fsdp"])
+@pytest.mark.slow
+def test_two_process_dcp_checkpoint_resumes_on_one_process(uninterrupted, runs):
+    run_dir, resumed = _interrupted_then_resumed(runs, "dcp2to1")
     assert "pretrain_64_resume_step0000003.dcp at step 3/6" in resumed.stdout
     final = latest_checkpoint(run_dir)
     assert final["global_step"] == STEPS and final["world_size"] == 1
