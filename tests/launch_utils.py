@@ -80,18 +80,24 @@ class InProcessRun:
     stdout: str  # stdout and stderr merged, as run_training returns them
 
 
-def run_in_process(fn, run_dir, env=None) -> InProcessRun:
+class InProcessTimeout(Exception):
+    """An in-process run that went past its time limit (a hang fails the test, not the suite)."""
+
+
+def run_in_process(fn, run_dir, env=None, timeout: int = 240) -> InProcessRun:
     """Call fn() here as a process launched by run_training would run it: in run_dir,
     under run_env's environment, on one thread (as OMP_NUM_THREADS=1 does, so results equal
     a launched run's), with stdout and stderr merged and Python warnings shown as a fresh
     process shows them. sys.exit(code) gives the return code; an exception gives 1 and
     its traceback in the output. Afterwards every global the trainer sets is put back:
     the environment, the working directory, the SIGTERM/SIGINT handlers (the preemption
-    flag installs its own), the thread count and the random generators it seeds."""
+    flag installs its own), the thread count and the random generators it seeds.
+    Past `timeout` seconds a SIGALRM raises InProcessTimeout inside fn(), as the timeout of
+    a launched run would kill it: the run ends with code 1 instead of hanging the suite."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     saved_env, saved_cwd, saved_threads = dict(os.environ), os.getcwd(), torch.get_num_threads()
-    saved_handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    saved_handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGALRM)}
     saved_rng = random.getstate(), np.random.get_state(), torch.get_rng_state()
     out = io.StringIO()
     try:
@@ -100,6 +106,8 @@ def run_in_process(fn, run_dir, env=None) -> InProcessRun:
         os.environ.update(new_env)
         os.chdir(run_dir)
         torch.set_num_threads(1)
+        signal.signal(signal.SIGALRM, _raise_timeout)
+        signal.alarm(timeout)
         with redirect_stdout(out), redirect_stderr(out), warnings.catch_warnings():
             warnings.resetwarnings()
             warnings.showwarning = _show_warning
@@ -114,6 +122,7 @@ def run_in_process(fn, run_dir, env=None) -> InProcessRun:
                 traceback.print_exc()
                 code = 1
     finally:
+        signal.alarm(0)
         os.environ.clear()
         os.environ.update(saved_env)
         os.chdir(saved_cwd)
@@ -126,17 +135,21 @@ def run_in_process(fn, run_dir, env=None) -> InProcessRun:
     return InProcessRun(code, out.getvalue())
 
 
+def _raise_timeout(signum, frame):
+    raise InProcessTimeout("the in-process run went past its time limit")
+
+
 def _show_warning(message, category, filename, lineno, file=None, line=None):
     sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
 
 
-def train_in_process(args, run_dir, env=None) -> InProcessRun:
+def train_in_process(args, run_dir, env=None, timeout: int = 240) -> InProcessRun:
     """`python trainer/train_pretrain.py ARGS` as run_training(1, ARGS, run_dir, "python")
     runs it, as trainer.train_pretrain.main(ARGS) in this process: about a second for
     the tiny configs instead of the 5-8 s a process spends importing torch and transformers."""
     from trainer.train_pretrain import main
 
-    return run_in_process(lambda: main([str(a) for a in args]), run_dir, env)
+    return run_in_process(lambda: main([str(a) for a in args]), run_dir, env, timeout)
 
 
 def ensure_demo_corpus() -> Path:

@@ -272,3 +272,14 @@ def test_eval_llm_and_trainer_validation_agree_on_bits_per_byte(tmp_path):
     loader = DataLoader(PretrainDataset(str(docs), tok, 64), batch_size=2)
     loss_t, bpb_t = evaluate(model, loader, nullcontext(), "cpu", False, token_byte_lengths(tok, 6400))
     assert bpb_t == pytest.approx(bpb, rel=1e-5) and loss_t == pytest.approx(loss, rel=1e-5)
+
+
+def test_wandb_records_the_accumulation_that_global_batch_size_implies():
+    from types import SimpleNamespace
+
+    from trainer.settings import RunSettings
+
+    args = SimpleNamespace(accumulation_steps=1, dtype="auto", optimizer="auto", global_batch_size=16)
+    flags = RunSettings("float32", "adamw", "cpu", False).as_flags(args, accumulation_steps=2)
+    assert (flags["accumulation_steps"], flags["dtype"], flags["optimizer"]) == (2, "float32", "adamw")
+    assert args.accumulation_steps == 1  # the parsed flags are left as they were

@@ -29,9 +29,12 @@ class RunSettings:
             return nullcontext()
         return torch.autocast(self.device_type, dtype=self.torch_dtype)
 
-    def as_flags(self, args) -> dict:
-        """The flags with the resolved names in place of auto (what wandb records)."""
-        return {**vars(args), "dtype": self.dtype, "optimizer": self.optimizer}
+    def as_flags(self, args, accumulation_steps: int) -> dict:
+        """The flags with what the run resolved in place of auto and of the derived values
+        (what wandb records): the dtype, the optimizer and, under --global_batch_size, the
+        accumulation steps it implies."""
+        return {**vars(args), "dtype": self.dtype, "optimizer": self.optimizer,
+                "accumulation_steps": accumulation_steps}
 
 
 def resolve_settings(args, env) -> RunSettings:

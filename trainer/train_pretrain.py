@@ -257,7 +257,7 @@ def train(args, env) -> int:
     loader = make_train_loader(data.train, sampler, args, pin)
     val_loader = make_val_loader(data.val, args, rank, world_size, pin) if data.val is not None else None
     byte_lengths = token_byte_lengths(tokenizer, config.vocab_size).to(env.device)
-    log = RunLogger(args, prefix, state, settings.as_flags(args), is_main_process(), env.device)
+    log = RunLogger(args, prefix, state, settings.as_flags(args, plan.accumulation_steps), is_main_process(), env.device)
     state.wandb_run_id = log.wandb_run_id
     saves = SaveSchedule(args.save_interval, args.save_every_minutes, args.log_interval, env.device)
     preempt, faults = PreemptionFlag(), FaultPlan.from_env(rank)
