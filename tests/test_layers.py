@@ -20,16 +20,23 @@ MAY_IMPORT = {
 
 
 def repo_imports(path: Path, top_level_only: bool) -> set[str]:
-    """Modules of the repository that `path` imports (all of them, or those at load time)."""
+    """Modules of the repository that `path` imports (all of them, or those at load time).
+    Relative imports count from the file's package, and `from package import name` counts as
+    an import of package.name when that is a module."""
+    package = path.parent.name
     tree = ast.parse(path.read_text())
     nodes = tree.body if top_level_only else ast.walk(tree)
     found = set()
     for node in nodes:
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
-    return {name for name in found if name.split(".")[0] in PACKAGES}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module if node.level == 0 else ".".join(filter(None, [package, node.module]))
+            if base:
+                found.add(base)
+                found |= {f"{base}.{alias.name}" for alias in node.names
+                          if (path.parents[1] / base.replace(".", "/") / f"{alias.name}.py").is_file()}
+    return {name for name in found if name.split(".")[0] in PACKAGES and name not in PACKAGES}
 
 
 def modules() -> dict[str, Path]:
@@ -66,9 +73,10 @@ def test_no_import_cycle_at_load_time():
 
 def test_the_check_sees_a_cycle_and_a_wrong_way_import(tmp_path, monkeypatch):
     """The two checks above can fail: a planted cycle and a model -> trainer import are found."""
-    for package, text in {"model": "import trainer.b\n", "trainer": "import model.a\n"}.items():
+    for package, text in {"model": "from trainer import b\n", "trainer": "from .c import x\n"}.items():
         (tmp_path / package).mkdir()
         (tmp_path / package / ("a.py" if package == "model" else "b.py")).write_text(text)
+    (tmp_path / "trainer" / "c.py").write_text("import model.a\n")
     for package in ("common", "dataset", "scripts"):
         (tmp_path / package).mkdir()
     monkeypatch.setattr(sys.modules[__name__], "REPO_ROOT", tmp_path)
