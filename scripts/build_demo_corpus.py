@@ -11,9 +11,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common.errors import UserError, report_user_errors  # noqa: E402
 from dataset.demo_corpus import DEFAULT_TIMEOUT, DEMO_CORPUS, build_demo_corpus, format_summary  # noqa: E402
 
 
+@report_user_errors
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Build a JSONL pre-training corpus from stdlib docstrings.")
     parser.add_argument("--out", type=Path, default=DEMO_CORPUS, help="output JSONL file")
@@ -36,7 +38,7 @@ def main(argv=None):
     try:
         summary = build_demo_corpus(args.out, modules=modules, jobs=args.jobs, timeout=args.timeout)
     except OSError as e:
-        sys.exit(f"error: cannot write --out {args.out}: {e.strerror or e}")
+        raise UserError(f"cannot write --out {args.out}: {e.strerror or e}") from None
     print(format_summary(summary))
     return summary
 

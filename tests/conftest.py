@@ -7,11 +7,6 @@ from tests.launch_utils import REPO_ROOT, build_tokenizer
 
 
 @pytest.fixture(scope="session")
-def repo_root():
-    return REPO_ROOT
-
-
-@pytest.fixture(scope="session")
 def tokenizer_dir():
     """The committed tokenizer's folder (model/)."""
     return REPO_ROOT / "model"

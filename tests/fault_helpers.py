@@ -23,6 +23,11 @@ class Finished:
     seconds: float
 
 
+def fault_env(kind, at, rank) -> dict:
+    """The environment that makes rank `rank` misbehave (`kind`, see trainer/resilience.py) at step `at`."""
+    return {"MINIMIND_FAULT_AT_STEP": str(at), "MINIMIND_FAULT_RANK": str(rank), "MINIMIND_FAULT_KIND": kind}
+
+
 def job(nproc, args, run_dir, env=None, launcher_args=()) -> tuple:
     """A training job for run_all: plain `python` for one process, else torchrun."""
     cmd = train_cmd(nproc, args, "python" if nproc == 1 else "torchrun")

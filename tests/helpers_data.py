@@ -1,10 +1,6 @@
-"""Shared helpers for the dataset tests: the repo's tokenizer to test with and tiny corpus writers."""
+"""Shared helpers for the dataset tests: sample texts and tiny corpus writers."""
 
 import json
-from pathlib import Path
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-REPO_TOKENIZER = REPO_ROOT / "model"
 
 SAMPLE_TEXTS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -6,12 +6,12 @@ meanwhile. The loop runs in this process under a dispatch mode that counts those
 reads; a 10-step and a 30-step run differ only by 20 steps that neither log, save
 nor evaluate, so the difference divided by 20 is the per-step figure.
 """
-import signal
+import sys
 
 import pytest
 import torch
 
-from tests.launch_utils import CountHostReads, out_args, small_corpus
+from tests.launch_utils import CountHostReads, out_args, run_in_process, small_corpus
 from trainer.args import parse_args
 from trainer.step import read_flags
 from trainer.train_pretrain import train
@@ -26,32 +26,22 @@ def corpora(tmp_path_factory):
     return {"packed": packed, "padded": padded}
 
 
-@pytest.fixture
-def in_process_run():
-    """train() installs its preemption handlers; give pytest its own back. One thread, as
-    the launched tests use: two threads on a shared two-core machine mostly wait for each other."""
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
-
-
 def host_reads(data_path, run_dir, steps) -> int:
+    """Host reads of a whole train() run, made in this process (run_in_process puts back the
+    globals train() changes) so that the dispatch mode sees every read."""
     args = parse_args(["--hidden_size", "64", "--num_hidden_layers", "2", "--max_seq_len", "64",
                        "--batch_size", "4", "--num_workers", "0", "--val_fraction", "0.05", "--eval_batches", "1",
                        "--device", "cpu", "--data_path", str(data_path), *out_args(run_dir), "--max_steps", str(steps),
                        "--log_interval", FAR, "--save_interval", FAR, "--eval_interval", FAR])
     env = init_distributed_mode(args.device, args.local_rank, args.dist_timeout)
     with CountHostReads() as counter:
-        assert train(args, env) == 0
+        done = run_in_process(lambda: sys.exit(train(args, env)), run_dir)
+    assert done.returncode == 0, done.stdout[-3000:]
     return counter.reads
 
 
 @pytest.mark.parametrize("kind", ["packed", "padded"])
-def test_at_most_one_host_read_per_optimizer_step(corpora, tmp_path, kind, in_process_run):
+def test_at_most_one_host_read_per_optimizer_step(corpora, tmp_path, kind):
     short = host_reads(corpora[kind], tmp_path / "short", 10)
     long = host_reads(corpora[kind], tmp_path / "long", 30)
     assert short > 0, "the counter saw no host read at all: it is not counting"

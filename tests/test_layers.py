@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from tests.launch_utils import REPO_ROOT
+
 PACKAGES = ("common", "model", "dataset", "trainer", "scripts")
 MAY_IMPORT = {
     "common": {"common"},

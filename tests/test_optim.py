@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+from tests.fault_helpers import assert_clean_exit
 from tests.launch_utils import (
     REPO_ROOT, TINY, TORCHRUN, assert_bitwise_equal, latest_checkpoint, out_args, run_env, run_in_process,
     run_training, train_in_process,
@@ -153,7 +154,7 @@ def _muon_steps(tmp_path, name, parallel, nproc):
         result = subprocess.run([*TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", str(WORKER), str(out),
                                  parallel], env=run_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:]
+    assert_clean_exit(result.returncode, result.stdout, f"{nproc}-process Muon run")
     return torch.load(out, weights_only=True)
 
 

@@ -22,9 +22,8 @@ from dataset.packed_dataset import write_meta
 from scripts.split_corpus import split_corpus
 from scripts.unigram_baseline import unigram_baseline
 from tests.fault_helpers import assert_clean_exit
-from tests.launch_utils import run_env
+from tests.launch_utils import REPO_ROOT, run_env
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO_ROOT / "scripts" / "quickstart.sh"
 
 SUMMARY = re.compile(r"quickstart summary: steps=(\d+) final_train_loss=(\S+) final_val_loss=(\S+) "

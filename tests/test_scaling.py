@@ -110,7 +110,7 @@ def test_fsdp_matches_ddp_step_for_step(ddp_run, runs, tmp_path):
     assert (fsdp_dir / "ckpt" / "pretrain_64_resume_step0000006.dcp").is_dir()
     fsdp = _full_weights_of_dcp(tmp_path, fsdp_dir)
     assert max_abs_diff(fsdp, ddp_run) <= 1e-5
-    # The seed-format weights are gathered on rank 0 and hold every tensor.
+    # MiniMind-format weights are gathered on rank 0 and hold every tensor.
     half = torch.load(fsdp_dir / "out" / "pretrain_64.pth", weights_only=True)
     assert half.keys() == ddp_run.keys()
     assert max_abs_diff({k: v.float() for k, v in half.items()}, fsdp) <= 1e-3

@@ -24,8 +24,8 @@ from dataset.shards import MANIFEST, ShardedPackedDataset
 from scripts import prepare_data
 from scripts.prepare_data import prepare
 from tests import helpers_data
-from tests.fault_helpers import job, run_all
-from tests.launch_utils import TINY, assert_bitwise_equal, latest_checkpoint, out_args
+from tests.fault_helpers import assert_clean_exit, job, run_all
+from tests.launch_utils import REPO_ROOT, TINY, assert_bitwise_equal, latest_checkpoint, out_args
 from trainer.data import ResumableDistributedSampler, open_dataset
 
 DEMO = DEMO_CORPUS
@@ -198,7 +198,7 @@ def test_a_killed_prep_resumes_and_skips_complete_shards(tmp_path, tok_dir):
     lines = DEMO.read_text().splitlines(keepends=True)
     for k in range(5):  # each about a second of tokenizing: the kill lands between two files
         (data / f"f{k}.jsonl").write_text("".join(lines[k * 300:(k + 1) * 300]))
-    cmd = [sys.executable, str(helpers_data.REPO_ROOT / "scripts" / "prepare_data.py"), "--data_path", str(data),
+    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "prepare_data.py"), "--data_path", str(data),
            "--out_path", str(tmp_path / "out"), "--tokenizer_path", str(tok_dir), "--num_proc", "1"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     record = tmp_path / "out" / ".prep" / "input-00000.json"
@@ -308,7 +308,7 @@ def test_training_on_shards_resumes_bitwise_as_on_the_concatenated_file(tmp_path
     }
     results = run_all(jobs, timeout=300)
     for name, result in results.items():
-        assert result.returncode == 0, f"{name}: {result.stdout[-3000:]}"
+        assert_clean_exit(result.returncode, result.stdout, name)
     assert "[fault injection] rank 1 SIGKILLs itself at step 4" in results["restarted"].stdout
     assert "pretrain_64_resume_step0000003.pth at step 3/6" in results["restarted"].stdout
     straight, restarted = latest_checkpoint(tmp_path / "straight"), latest_checkpoint(tmp_path / "restarted")

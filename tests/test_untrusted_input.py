@@ -17,7 +17,7 @@ from model.model_minimind import MiniMindConfig
 from model.weights import WeightsError, load_model, read_checkpoint
 from scripts.convert_model import save_pth
 from scripts.eval_llm import main as eval_main
-from tests.fault_helpers import error_lines, run_all, worker_tracebacks
+from tests.fault_helpers import assert_clean_exit, error_lines, run_all, worker_tracebacks
 from tests.launch_utils import (
     FLAGS, PYTHON, REPO_ROOT, TINY, TORCHRUN, ensure_demo_corpus, out_args, train_cmd, train_tiny,
 )
@@ -118,7 +118,7 @@ def test_bad_flag_under_torchrun_stops_every_rank_with_one_line(launched):
 @pytest.mark.slow
 def test_fsdp_checkpoint_dir_must_be_shared_by_all_ranks(launched):
     root, results = launched
-    assert results["shared_dir"].returncode == 0, results["shared_dir"].stdout[-3000:]
+    assert_clean_exit(results["shared_dir"].returncode, results["shared_dir"].stdout, "shared-dir check")
     decisions = [json.loads((root / "shared_dir" / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert decisions[0] == decisions[1], decisions  # every rank takes the same decision
     assert decisions[0]["fsdp_shared"] is None
