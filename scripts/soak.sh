@@ -10,7 +10,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 N=${1:-10}
 shift || true
-# Every test that launches processes is marked slow (tests/fault_helpers.py's
+# Every test that launches the trainer, torchrun or SLURM is marked slow (tests/fault_helpers.py's
 # assert_clean_exit checks each completed 2-process job for a clean exit).
 DEFAULT_TESTS=(-m slow tests)
 if [ $# -gt 0 ]; then TESTS=("$@"); else TESTS=("${DEFAULT_TESTS[@]}"); fi
