@@ -1,8 +1,15 @@
 """The fault plan (trainer/resilience.py): the MINIMIND_FAULT_* environment, read once at
-start-up, decides which rank misbehaves at which step, and a restarted group runs clean."""
+start-up, decides which rank misbehaves at which step, and a restarted group runs clean.
+And a DataLoader worker that stops delivering ends the rank instead of hanging it."""
+import time
+from types import SimpleNamespace
+
 import pytest
+import torch
+from torch.utils.data import Dataset, SequentialSampler
 
 from tests.fault_helpers import fault_env as fault
+from trainer.data import make_train_loader
 from trainer.resilience import FaultPlan
 
 
@@ -21,3 +28,21 @@ def test_fault_plan_is_read_once_and_fires_only_where_planned(monkeypatch):
     restarted.crash_before(0, 1)  # a restarted group runs clean
     with pytest.raises(RuntimeError, match="rank 1 raises at step 2"):
         FaultPlan.from_env(1, fault("raise", at=2, rank=1)).crash_before(2, 1)
+
+
+class Stalls(Dataset):
+    """A dataset whose worker delivers nothing for 3 s (as one whose sending thread died)."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        time.sleep(3)
+        return torch.zeros(2)
+
+
+def test_a_worker_that_stops_delivering_fails_the_rank_after_dist_timeout():
+    args = SimpleNamespace(batch_size=1, num_workers=1, dist_timeout=0.5)
+    loader = make_train_loader(Stalls(), SequentialSampler(range(4)), args, pin_memory=False)
+    with pytest.raises(RuntimeError, match="DataLoader timed out after 0.5 seconds"):
+        next(iter(loader))

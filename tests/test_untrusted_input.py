@@ -8,6 +8,7 @@ checks themselves run in-process through train_pretrain.main.
 """
 import json
 import os
+import tempfile
 from types import SimpleNamespace
 
 import pytest
@@ -236,6 +237,8 @@ BAD_FLAGS = {
     "save_weight_with_a_folder": (["--save_weight", "runs/a"], "--save_weight 'runs/a' is a file name prefix"),
     "device_not_a_device": (["--device", "gpu0"], "--device gpu0: not a device this trainer runs on: pass --device cpu, cuda or cuda:N"),
     "device_cuda_out_of_range": (["--device", "cuda:99"], "--device cuda:99: "),
+    # TMPDIR is not a flag, but --num_workers is what makes its length matter
+    "tmpdir_too_long_for_workers": (["--num_workers", "1"], "--num_workers 1: TMPDIR {tmp} is 101 bytes long"),
 }
 
 
@@ -246,14 +249,18 @@ def test_bad_flag_is_one_line_rc_2_before_any_step(case, tmp_path, capsys, monke
     a_file = tmp_path / "a_file"
     a_file.write_text("")
     flags, expected = BAD_FLAGS[case]
+    long_tmp = f"/tmp/{'t' * 96}"  # 101 bytes
+    if "{tmp}" in expected:  # tempfile.gettempdir(), which multiprocessing uses, reads TMPDIR once
+        monkeypatch.setattr(tempfile, "tempdir", long_tmp)
     flags = [f.format(file=a_file) for f in flags]
+    expected = expected.format(file=a_file, tmp=long_tmp)
     argv = [*TINY, *out_args(tmp_path), "--max_steps", "2", "--save_interval", "1", *flags]
     with pytest.raises(SystemExit) as info:
         train_main(argv)
     captured = capsys.readouterr()
     assert info.value.code == 2
     assert captured.err.strip().splitlines() == [captured.err.strip()], captured.err
-    assert captured.err.startswith("error: " + expected.format(file=a_file)), captured.err
+    assert captured.err.startswith("error: " + expected), captured.err
     assert "pass" in captured.err or "must" in captured.err  # says what to do
     assert not list(tmp_path.rglob("*.pth")), "a step ran"
 

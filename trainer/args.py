@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     sys_.add_argument("--use_compile", type=int, default=0, choices=[0, 1])
     sys_.add_argument("--parallel", default="ddp", choices=["ddp", "fsdp"])
     sys_.add_argument("--grad_checkpointing", type=int, default=0, choices=[0, 1])
-    sys_.add_argument("--dist_timeout", type=float, default=600, help="seconds a collective may wait for a peer")
+    sys_.add_argument("--dist_timeout", type=float, default=600,
+                      help="seconds a collective may wait for a peer, and the trainer for a DataLoader worker's batch")
     sys_.add_argument("--peak_tflops", type=float, default=0, help="device peak for MFU (default: looked up by GPU name)")
     # The legacy launcher passes --local-rank=N (older torch: --local_rank); LOCAL_RANK env wins.
     sys_.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int, default=None, help=argparse.SUPPRESS)

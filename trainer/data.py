@@ -89,6 +89,9 @@ def build_data(args, tokenizer, vocab_size: int) -> TrainData:
 
 
 def make_train_loader(dataset, sampler, args, pin_memory: bool) -> DataLoader:
+    # A worker that stops delivering (its process alive, the thread that sends batches
+    # dead) would leave the trainer waiting forever: past --dist_timeout the rank fails
+    # instead, as it does when a peer stops answering in a collective.
     return DataLoader(
         dataset,
         batch_size=args.batch_size,
@@ -96,6 +99,7 @@ def make_train_loader(dataset, sampler, args, pin_memory: bool) -> DataLoader:
         num_workers=args.num_workers,
         pin_memory=pin_memory,
         persistent_workers=args.num_workers > 0,
+        timeout=args.dist_timeout if args.num_workers > 0 else 0,
         drop_last=False,
     )
 

@@ -45,6 +45,26 @@ def check_device(device: str | None, local_rank_flag: int | None = None):
                         f"pass --device cuda:0 to cuda:{count - 1}, or --device cpu")
 
 
+# A Unix socket's path holds at most 107 bytes. multiprocessing, which DataLoader workers
+# use to hand batches over, binds its sockets at {TMPDIR}/pymp-XXXXXXXX/listener-XXXXXXXX.
+UNIX_SOCKET_PATH_MAX = 107
+WORKER_SOCKET_TAIL = len("/pymp-12345678/listener-12345678")
+
+
+def check_worker_tmpdir(num_workers: int):
+    """With DataLoader workers, TMPDIR must be short enough for multiprocessing's sockets.
+
+    A longer one fails inside a worker's background thread, not in the trainer: the
+    trainer would wait for its first batch forever. (Clusters often set a per-job TMPDIR.)
+    Checked per process before any process group is made, as the flags are."""
+    tmp = tempfile.gettempdir()
+    longest = UNIX_SOCKET_PATH_MAX - WORKER_SOCKET_TAIL
+    if num_workers > 0 and len(os.fsencode(tmp)) > longest:
+        raise UserError(f"--num_workers {num_workers}: TMPDIR {tmp} is {len(os.fsencode(tmp))} bytes long, but "
+                        f"DataLoader workers pass batches through sockets under it that allow {longest}: "
+                        f"set TMPDIR to a shorter folder, or pass --num_workers 0")
+
+
 def _writable_problem(flag: str, path: str) -> str | None:
     """Create `path` if needed and write a file in it; None if that works, else one line."""
     try:

@@ -39,7 +39,7 @@ from trainer.distributed import (  # noqa: E402
 from trainer.metrics import RunLogger, Throughput, TrainRow, device_peak_flops, flops_per_token  # noqa: E402
 from trainer.optim import OptimConfig, build_optimizer, describe, peak_lrs, set_lr  # noqa: E402
 from trainer.parallel import full_state_dict, local_state_mib, weights_finite, wrap_model  # noqa: E402
-from trainer.preflight import check_device, check_output_dirs  # noqa: E402
+from trainer.preflight import check_device, check_output_dirs, check_worker_tmpdir  # noqa: E402
 from trainer.resilience import FaultPlan, PreemptionFlag  # noqa: E402
 from trainer.save_schedule import SaveSchedule  # noqa: E402
 from trainer.settings import RunSettings, resolve_settings  # noqa: E402
@@ -113,6 +113,7 @@ def main(argv=None):
         # The float16 check is about the run's device (a CUDA machine may still run --device cpu).
         check_args(args, (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda"))
         check_device(args.device, args.local_rank)
+        check_worker_tmpdir(args.num_workers)
     except UserError as exc:
         fail(str(exc))
     env = init_distributed_mode(args.device, args.local_rank, args.dist_timeout)
