@@ -4,7 +4,6 @@ import hashlib
 import os
 import random
 import re
-import signal
 import socket
 import subprocess
 import threading
@@ -13,7 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.launch_utils import TINY, TORCHRUN, TRAIN, out_args, run_env, train_cmd
+from tests.launch_utils import TINY, TORCHRUN, TRAIN, descendants, kill_tree, out_args, run_env, train_cmd
 
 
 @dataclass
@@ -58,7 +57,7 @@ def run_all(jobs: dict, at_once: int = 2, timeout: float = 180) -> dict:
             if proc.poll() is None and not late:
                 continue
             if proc.poll() is None:
-                proc.kill()
+                kill_tree(proc.pid)
                 proc.wait()
             log.close()
             done[name] = Finished(None if late else proc.returncode, Path(f"{run_dir}.log").read_text(),
@@ -211,15 +210,11 @@ class ElasticAgent:
                 return TRAIN.name in Path(f"/proc/{pid}/cmdline").read_text()
             except OSError:
                 return False
-        return [pid for pid in _descendants(self.proc.pid)[1:] if is_worker(pid)]
+        return [pid for pid in descendants(self.proc.pid)[1:] if is_worker(pid)]
 
     def kill_node(self):
         """SIGKILL the agent and every process under it at once, as when the node dies."""
-        for pid in _descendants(self.proc.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_tree(self.proc.pid)
         self.proc.wait()
 
     def wait(self, timeout: float) -> int | None:
@@ -231,15 +226,6 @@ class ElasticAgent:
             return None
         self._reader.join(timeout=5)
         return self.proc.returncode
-
-
-def _descendants(pid: int) -> list[int]:
-    try:
-        children = [int(c) for task in os.listdir(f"/proc/{pid}/task")
-                    for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
-    except (FileNotFoundError, ProcessLookupError):
-        children = []
-    return [pid] + [d for child in children for d in _descendants(child)]
 
 
 def wait_until(predicate, timeout: float, what: str, agents=()):

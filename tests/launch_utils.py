@@ -69,9 +69,38 @@ def train_cmd(nproc: int, args, launcher: str = "torchrun") -> list[str]:
 
 
 def run_training(nproc, args, tmp_path, launcher="torchrun", env=None, timeout=240, cwd=None):
-    """Run to completion and return the CompletedProcess (stdout and stderr merged)."""
-    return subprocess.run(train_cmd(nproc, args, launcher), cwd=cwd or tmp_path, env=run_env(tmp_path, env),
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    """Run to completion and return the CompletedProcess (stdout and stderr merged).
+    Past `timeout` the launcher and its workers are killed, and TimeoutExpired raised."""
+    cmd = train_cmd(nproc, args, launcher)
+    with subprocess.Popen(cmd, cwd=cwd or tmp_path, env=run_env(tmp_path, env), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True) as proc:
+        try:
+            stdout, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc.pid)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout)
+
+
+def kill_tree(pid: int):
+    """SIGKILL a process and everything under it at once. Killing a launcher alone is not
+    enough: torchrun starts each worker in a session of its own, so a worker outlives it."""
+    for each in descendants(pid):
+        try:
+            os.kill(each, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def descendants(pid: int) -> list[int]:
+    """pid and every process under it, parents before children."""
+    try:
+        children = [int(c) for task in os.listdir(f"/proc/{pid}/task")
+                    for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
+    except (FileNotFoundError, ProcessLookupError):
+        children = []
+    return [pid] + [d for child in children for d in descendants(child)]
 
 
 @dataclass
