@@ -16,8 +16,8 @@ from tempfile import TemporaryDirectory
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.fault_helpers import ElasticAgent, wait_until  # noqa: E402
-from tests.launch_utils import TINY, free_port, out_args  # noqa: E402
+from tests.fault_helpers import ElasticAgent, agreed_port, wait_until  # noqa: E402
+from tests.launch_utils import TINY, out_args  # noqa: E402
 
 CONFIGS = {
     "torchrun defaults": "",
@@ -27,9 +27,9 @@ PHASES = [("peer lost line", r"error: lost a peer process"), ("agent sees failur
           ("rendezvous done", r"Rendezvous complete for workers"), ("first step after resume", r"resumed from")]
 
 
-def measure(conf: str, steps: int, work: Path) -> dict:
-    port, args = free_port(), [*TINY, "--max_steps", str(steps), "--save_interval", "10", "--global_batch_size", "8",
-                               "--from_resume", "1", *out_args(work)]
+def measure(port: int, conf: str, steps: int, work: Path) -> dict:
+    args = [*TINY, "--max_steps", str(steps), "--save_interval", "10", "--global_batch_size", "8",
+            "--from_resume", "1", *out_args(work)]
     env = {"LOGLEVEL": "INFO"}  # the agent's rendezvous log lines mark the phases
     survivor = ElasticAgent(port, args, work, conf, env=env)
     wait_until(lambda: survivor.first_line_after(r"Rendezvous complete", 0), 120, "first rendezvous", [survivor])
@@ -60,8 +60,8 @@ def main():
     for name, conf in CONFIGS.items():
         if args.only and name != args.only:
             continue
-        with TemporaryDirectory() as tmp:
-            rows[name] = measure(conf, args.steps, Path(tmp))
+        with TemporaryDirectory() as tmp, agreed_port() as port:
+            rows[name] = measure(port, conf, args.steps, Path(tmp))
             print(f"{name}: {rows[name]}", flush=True)
     print("\nseconds after the node is killed:")
     print("| --rdzv_conf | " + " | ".join(name for name, _ in PHASES) + " |")

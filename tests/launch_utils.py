@@ -5,9 +5,9 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
+import tempfile
 import traceback
 import warnings
 from contextlib import redirect_stderr, redirect_stdout
@@ -18,10 +18,13 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from trainer.preflight import UNIX_SOCKET_PATH_MAX, WORKER_SOCKET_TAIL
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TRAIN = REPO_ROOT / "trainer" / "train_pretrain.py"
 PYTHON = sys.executable
 _TORCHRUN_BIN = Path(PYTHON).parent / "torchrun"
+MAX_WORKER_TMPDIR = UNIX_SOCKET_PATH_MAX - WORKER_SOCKET_TAIL
 TORCHRUN = [str(_TORCHRUN_BIN)] if _TORCHRUN_BIN.exists() else [PYTHON, "-m", "torch.distributed.run"]
 
 # hidden 64, 2 layers, seq 64: a step takes milliseconds, so process start-up dominates.
@@ -34,16 +37,13 @@ TINY = ["--hidden_size", "64", "--num_hidden_layers", "2", "--max_seq_len", "64"
         "--dist_timeout", "60", "--device", "cpu", "--optimizer", "adamw"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_env(tmp_path, extra=None) -> dict:
     env = dict(os.environ)
-    # One thread per process: two ranks on two cores must not oversubscribe them.
-    env.update(OMP_NUM_THREADS="1", TMPDIR=str(tmp_path), PYTHONUNBUFFERED="1")
+    # One thread per process: two ranks on two cores must not oversubscribe them. Each
+    # run's temp files stay in its folder, unless that path is too long for the sockets
+    # of DataLoader workers (trainer/preflight.py), as under a long user name or xdist.
+    tmp = str(tmp_path) if len(os.fsencode(str(tmp_path))) <= MAX_WORKER_TMPDIR else tempfile.gettempdir()
+    env.update(OMP_NUM_THREADS="1", TMPDIR=tmp, PYTHONUNBUFFERED="1")
     # The launched runs are CPU runs: with a GPU visible, a 2-process job would put rank 1
     # on cuda:1 (absent on a 1-GPU machine), and scripts without --device would use cuda:0.
     env["CUDA_VISIBLE_DEVICES"] = ""
@@ -60,7 +60,7 @@ def out_args(run_dir) -> list[str]:
 def train_cmd(nproc: int, args, launcher: str = "torchrun") -> list[str]:
     """No --master_port: on one node both launchers then host the rendezvous store on a
     port the kernel picks (torch/distributed/run.py turns it into c10d on localhost:0),
-    where free_port()'s bind-then-release could lose the port to another process."""
+    where a port picked by the test (bound, then released) could be lost to another process."""
     if nproc == 1 and launcher == "python":
         return [PYTHON, str(TRAIN), *args]
     if launcher == "legacy":
