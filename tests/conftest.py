@@ -3,6 +3,7 @@ tiny models) live in tests/launch_utils.py, which the modules import; no test mo
 imports another."""
 import pytest
 
+from tests.fault_helpers import SharedRuns
 from tests.launch_utils import REPO_ROOT, build_tokenizer
 
 
@@ -23,3 +24,9 @@ def tokenizer(tokenizer_dir):
 def tiny_tokenizer_dir(tmp_path_factory):
     """build_tokenizer's 6400-id BPE, built once for the whole session."""
     return build_tokenizer(tmp_path_factory.mktemp("tiny_tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def shared_runs(tmp_path_factory):
+    """Call it with {name: (nproc, args)}: fault_helpers.SharedRuns."""
+    return SharedRuns(tmp_path_factory)

@@ -72,23 +72,27 @@ def run_all(jobs: dict, at_once: int = 2, timeout: float = 180) -> dict:
 # gradients (fused kernels sum in another order) would otherwise exceed 1e-5. A long
 # --dist_timeout: one rank may wait while the other compiles.
 THREE_STEPS = [*TINY, "--learning_rate", "5e-4", "--max_steps", "3", "--save_interval", "3", "--dist_timeout", "600"]
-_SHARED_RUNS: dict = {}
 
 
-def shared_runs(tmp_path_factory, runs: dict, timeout: float = 240) -> dict:
+class SharedRuns:
     """Uninterrupted runs that several test files need with the same flags, each run once
-    per pytest session: {name: (nproc, args)} -> {name: (run_dir, Finished)}. A run is
-    known by its process count and flags, so only identical runs are shared; those not
-    run yet run two at a time."""
-    keys = {name: (nproc, tuple(args)) for name, (nproc, args) in runs.items()}
-    missing = {}
-    for name, (nproc, args) in runs.items():
-        if keys[name] not in _SHARED_RUNS and keys[name] not in [keys[m] for m in missing]:
-            run_dir = tmp_path_factory.mktemp(name)
-            missing[name] = job(nproc, [*args, *out_args(run_dir)], run_dir)
-    for name, result in run_all(missing, timeout=timeout).items():
-        _SHARED_RUNS[keys[name]] = missing[name][1], result
-    return {name: _SHARED_RUNS[key] for name, key in keys.items()}
+    per pytest session (conftest.py's `shared_runs` fixture holds the one instance):
+    {name: (nproc, args)} -> {name: (run_dir, Finished)}. A run is known by its process
+    count and flags, so only identical runs are shared; those not run yet run two at a time."""
+
+    def __init__(self, tmp_path_factory):
+        self.tmp_path_factory, self.done = tmp_path_factory, {}
+
+    def __call__(self, runs: dict, timeout: float = 240) -> dict:
+        keys = {name: (nproc, tuple(args)) for name, (nproc, args) in runs.items()}
+        missing = {}
+        for name, (nproc, args) in runs.items():
+            if keys[name] not in self.done and keys[name] not in [keys[m] for m in missing]:
+                run_dir = self.tmp_path_factory.mktemp(name)
+                missing[name] = job(nproc, [*args, *out_args(run_dir)], run_dir)
+        for name, result in run_all(missing, timeout=timeout).items():
+            self.done[keys[name]] = missing[name][1], result
+        return {name: self.done[key] for name, key in keys.items()}
 
 
 # gloo's abort at exit ("terminate called without an active exception"), as the worker

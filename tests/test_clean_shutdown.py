@@ -8,18 +8,17 @@ multi-process tests N times. So the suite does not repeat a job here; instead ev
 test_fault_tolerance, test_compile, test_node_local_disks, ...) checks its exit with
 fault_helpers.assert_clean_exit: rc 0 and no abort signs in its output. This file keeps
 one DDP and one FSDP job, side by side, as the shortest run of the property by itself;
-the DDP one is the eager run test_compile compares with (fault_helpers.shared_runs)."""
+the DDP one is the eager run test_compile compares with (the shared_runs fixture)."""
 import pytest
 
-from tests.fault_helpers import THREE_STEPS, assert_clean_exit, shared_runs
+from tests.fault_helpers import THREE_STEPS, assert_clean_exit
 from tests.launch_utils import ensure_demo_corpus, latest_checkpoint
 
 
 @pytest.mark.slow
-def test_two_process_ddp_and_fsdp_jobs_exit_cleanly(tmp_path_factory):
+def test_two_process_ddp_and_fsdp_jobs_exit_cleanly(shared_runs):
     ensure_demo_corpus()
-    runs = shared_runs(tmp_path_factory, {"eager_ddp": (2, THREE_STEPS),
-                                          "eager_fsdp": (2, [*THREE_STEPS, "--parallel", "fsdp"])})
+    runs = shared_runs({"eager_ddp": (2, THREE_STEPS), "eager_fsdp": (2, [*THREE_STEPS, "--parallel", "fsdp"])})
     for name, (_, result) in runs.items():
         assert_clean_exit(result.returncode, result.stdout, name)
     assert latest_checkpoint(runs["eager_ddp"][0])["global_step"] == 3

@@ -4,7 +4,7 @@ import pytest
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from model.model_minimind import MiniMindForCausalLM
-from tests.fault_helpers import THREE_STEPS, assert_clean_exit, job, run_all, shared_runs
+from tests.fault_helpers import THREE_STEPS, assert_clean_exit, job, run_all
 from tests.launch_utils import latest_checkpoint, load_checkpoint, max_abs_diff, out_args
 from trainer.args import parse_args
 from trainer.trainer_utils import model_config_from_args, setup_seed
@@ -14,8 +14,8 @@ BASE = THREE_STEPS  # lr 5e-4 and a long --dist_timeout: see fault_helpers
 
 
 @pytest.mark.slow
-def test_compiled_ddp_and_fsdp_match_eager_ddp(tmp_path, tmp_path_factory):
-    eager_dir, eager_run = shared_runs(tmp_path_factory, {"eager_ddp": (2, BASE)})["eager_ddp"]
+def test_compiled_ddp_and_fsdp_match_eager_ddp(tmp_path, shared_runs):
+    eager_dir, eager_run = shared_runs({"eager_ddp": (2, BASE)})["eager_ddp"]
     jobs = {
         "ddp": job(2, [*BASE, *out_args(tmp_path / "ddp"), "--use_compile", "1"], tmp_path / "ddp"),
         "fsdp": job(2, [*BASE, *out_args(tmp_path / "fsdp"), "--use_compile", "1", "--parallel", "fsdp"],
