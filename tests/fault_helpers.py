@@ -182,8 +182,8 @@ ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 class ElasticAgent:
     """One torchrun agent of an elastic c10d job on 127.0.0.1, standing in for a node.
 
-    It runs in its own session, so it and its workers can be SIGKILLed together as a
-    lost node is; its output lines are kept with the monotonic time they arrived."""
+    kill_node() SIGKILLs it and its workers together, as when the node dies; its output
+    lines are kept with the monotonic time they arrived."""
 
     def __init__(self, port: int, args, run_dir, rdzv_conf: str = "", nnodes: str = "1:2", env=None):
         cmd = [*TORCHRUN, f"--nnodes={nnodes}", "--nproc_per_node=1", "--rdzv_backend=c10d",

@@ -18,13 +18,12 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trainer.preflight import UNIX_SOCKET_PATH_MAX, WORKER_SOCKET_TAIL
+from trainer.preflight import MAX_WORKER_TMPDIR
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TRAIN = REPO_ROOT / "trainer" / "train_pretrain.py"
 PYTHON = sys.executable
 _TORCHRUN_BIN = Path(PYTHON).parent / "torchrun"
-MAX_WORKER_TMPDIR = UNIX_SOCKET_PATH_MAX - WORKER_SOCKET_TAIL
 TORCHRUN = [str(_TORCHRUN_BIN)] if _TORCHRUN_BIN.exists() else [PYTHON, "-m", "torch.distributed.run"]
 
 # hidden 64, 2 layers, seq 64: a step takes milliseconds, so process start-up dominates.
@@ -71,22 +70,30 @@ def train_cmd(nproc: int, args, launcher: str = "torchrun") -> list[str]:
 def run_training(nproc, args, tmp_path, launcher="torchrun", env=None, timeout=240, cwd=None):
     """Run to completion and return the CompletedProcess (stdout and stderr merged).
     Past `timeout` the launcher and its workers are killed, and TimeoutExpired raised."""
-    cmd = train_cmd(nproc, args, launcher)
-    with subprocess.Popen(cmd, cwd=cwd or tmp_path, env=run_env(tmp_path, env), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True) as proc:
+    with start_training(nproc, args, tmp_path, launcher, env, cwd) as proc:
         try:
             stdout, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             kill_tree(proc.pid)
-            proc.communicate()
+            proc.communicate(timeout=30)
             raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout)
 
 
 def kill_tree(pid: int):
-    """SIGKILL a process and everything under it at once. Killing a launcher alone is not
-    enough: torchrun starts each worker in a session of its own, so a worker outlives it."""
-    for each in descendants(pid):
+    """SIGKILL a process and everything under it. Killing a launcher alone is not enough:
+    torchrun starts each worker in a session of its own, so a worker outlives it. Each
+    process is stopped before its children are listed, so none can start another unseen."""
+    stopped, todo = [], [pid]
+    while todo:
+        each = todo.pop()
+        try:
+            os.kill(each, signal.SIGSTOP)
+        except ProcessLookupError:
+            continue
+        stopped.append(each)
+        todo += children(each)
+    for each in stopped:
         try:
             os.kill(each, signal.SIGKILL)
         except ProcessLookupError:
@@ -95,12 +102,15 @@ def kill_tree(pid: int):
 
 def descendants(pid: int) -> list[int]:
     """pid and every process under it, parents before children."""
+    return [pid] + [d for child in children(pid) for d in descendants(child)]
+
+
+def children(pid: int) -> list[int]:
     try:
-        children = [int(c) for task in os.listdir(f"/proc/{pid}/task")
-                    for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
+        return [int(c) for task in os.listdir(f"/proc/{pid}/task")
+                for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
     except (FileNotFoundError, ProcessLookupError):
-        children = []
-    return [pid] + [d for child in children for d in descendants(child)]
+        return []
 
 
 @dataclass

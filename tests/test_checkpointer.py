@@ -10,6 +10,8 @@ import torch
 
 from common.errors import UserError
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+from tests.fault_helpers import tree_digest
+from tests.launch_utils import FLAGS
 from trainer import checkpoint
 from trainer.checkpoint import load_latest_checkpoint, save_checkpoint
 
@@ -39,7 +41,7 @@ class FakeRank:
 
 def tiny_model_and_optimizer():
     torch.manual_seed(0)
-    config = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    config = MiniMindConfig(**FLAGS)
     model = MiniMindForCausalLM(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.randint(0, config.vocab_size, (1, 8))
@@ -53,10 +55,6 @@ def trainer_state(config, step: int) -> dict:
             "world_size": 2, "model_config": config.to_dict(), "tokens_seen": 512 * step}
 
 
-def files_under(folder) -> list[str]:
-    return sorted(str(p.relative_to(folder)) for p in Path(folder).rglob("*")) if Path(folder).exists() else []
-
-
 def test_only_rank_0_writes_and_both_ranks_join_the_same_collectives(tmp_path, monkeypatch):
     config, model, optimizer = tiny_model_and_optimizer()
     rank0 = FakeRank(0).install(monkeypatch)
@@ -64,9 +62,9 @@ def test_only_rank_0_writes_and_both_ranks_join_the_same_collectives(tmp_path, m
     rank1 = FakeRank(1).install(monkeypatch)
     save_checkpoint(trainer_state(config, 4), model, optimizer, str(tmp_path / "rank1"), PREFIX)
 
-    assert files_under(tmp_path / "rank0") == [f"{PREFIX}_resume.pth", f"{PREFIX}_resume_step0000004.pth",
+    assert sorted(tree_digest(tmp_path / "rank0")) == [f"{PREFIX}_resume.pth", f"{PREFIX}_resume_step0000004.pth",
                                                f"{PREFIX}_resume_step0000004.pth.json"]
-    assert files_under(tmp_path / "rank1") == []
+    assert not (tmp_path / "rank1").exists()
     assert rank0.collectives == rank1.collectives and rank0.collectives, rank0.collectives
 
 
@@ -81,9 +79,12 @@ def test_rank_1_resumes_from_rank_0s_pick_without_opening_the_folder(tmp_path, m
 
     rank0 = FakeRank(0).install(monkeypatch)
     on_rank0 = load_latest_checkpoint(str(tmp_path), PREFIX, config.to_dict())
+    (tmp_path / "node0").mkdir()
+    for path in list(tmp_path.glob(f"{PREFIX}*")):  # off rank 1's disk: even the path it is told is gone
+        path.rename(tmp_path / "node0" / path.name)
     rank1 = FakeRank(1, received=rank0.sent).install(monkeypatch)
     monkeypatch.setattr(checkpoint, "list_checkpoints", lambda *a: pytest.fail("rank 1 looked at the folder"))
-    on_rank1 = load_latest_checkpoint(str(tmp_path / "not_on_this_node"), PREFIX, config.to_dict())
+    on_rank1 = load_latest_checkpoint(str(tmp_path), PREFIX, config.to_dict())
 
     assert on_rank0["global_step"] == on_rank1["global_step"] == 6
     assert on_rank0["path"] == on_rank1["path"]

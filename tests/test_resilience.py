@@ -1,6 +1,11 @@
 """The fault plan (trainer/resilience.py): the MINIMIND_FAULT_* environment, read once at
 start-up, decides which rank misbehaves at which step, and a restarted group runs clean.
-And a DataLoader worker that stops delivering ends the rank instead of hanging it."""
+And DataLoader workers: the longest temp folder they can work in, and a worker that
+stops delivering ends the rank instead of hanging it."""
+import os
+import subprocess
+import sys
+import tempfile
 import time
 from types import SimpleNamespace
 
@@ -8,8 +13,10 @@ import pytest
 import torch
 from torch.utils.data import Dataset, SequentialSampler
 
+from common.errors import UserError
 from tests.fault_helpers import fault_env as fault
 from trainer.data import make_train_loader
+from trainer.preflight import MAX_WORKER_TMPDIR, check_worker_tmpdir
 from trainer.resilience import FaultPlan
 
 
@@ -31,7 +38,8 @@ def test_fault_plan_is_read_once_and_fires_only_where_planned(monkeypatch):
 
 
 class Stalls(Dataset):
-    """A dataset whose worker delivers nothing for 3 s (as one whose sending thread died)."""
+    """A dataset whose worker delivers nothing for 3 s, as a worker whose sending thread
+    died delivers nothing at all."""
 
     def __len__(self):
         return 4
@@ -46,3 +54,23 @@ def test_a_worker_that_stops_delivering_fails_the_rank_after_dist_timeout():
     loader = make_train_loader(Stalls(), SequentialSampler(range(4)), args, pin_memory=False)
     with pytest.raises(RuntimeError, match="DataLoader timed out after 0.5 seconds"):
         next(iter(loader))
+
+
+@pytest.mark.parametrize("extra, works", [(0, True), (1, False)])
+def test_the_longest_temp_folder_allowed_is_the_longest_that_works(monkeypatch, extra, works):
+    """check_worker_tmpdir's limit is exactly where multiprocessing's own sockets stop binding."""
+    with tempfile.TemporaryDirectory(dir="/tmp") as base:
+        folder = os.path.join(base, "d" * (MAX_WORKER_TMPDIR + extra - len(base) - 1))
+        os.mkdir(folder)
+        bind = subprocess.run([sys.executable, "-c", "from multiprocessing.connection import Listener; "
+                               "Listener(family='AF_UNIX').close()"], env={**os.environ, "TMPDIR": folder},
+                              capture_output=True, text=True, timeout=60)
+        assert (bind.returncode == 0) == works, bind.stderr
+        monkeypatch.setattr(tempfile, "tempdir", folder)
+        if works:
+            check_worker_tmpdir(num_workers=1)
+        else:
+            assert "AF_UNIX path too long" in bind.stderr
+            with pytest.raises(UserError, match=f"is {MAX_WORKER_TMPDIR + 1} bytes long"):
+                check_worker_tmpdir(num_workers=1)
+        check_worker_tmpdir(num_workers=0)  # no workers, no sockets: any length is fine

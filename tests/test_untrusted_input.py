@@ -238,7 +238,7 @@ BAD_FLAGS = {
     "device_not_a_device": (["--device", "gpu0"], "--device gpu0: not a device this trainer runs on: pass --device cpu, cuda or cuda:N"),
     "device_cuda_out_of_range": (["--device", "cuda:99"], "--device cuda:99: "),
     # TMPDIR is not a flag, but --num_workers is what makes its length matter
-    "tmpdir_too_long_for_workers": (["--num_workers", "1"], "--num_workers 1: TMPDIR {tmp} is 101 bytes long"),
+    "tmpdir_too_long_for_workers": (["--num_workers", "1"], "--num_workers 1: the temp folder {tmp} (TMPDIR) is 101 bytes long"),
 }
 
 

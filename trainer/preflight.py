@@ -1,5 +1,5 @@
-"""Start-up checks of the things a flag names outside the process: the device, and the
-folders the run will write to. They run before the first training step, so a typo
+"""Start-up checks of the things a flag names outside the process: the device, the
+folders the run will write to, and the temp folder DataLoader workers use. They run before the first training step, so a typo
 costs one line at launch, not a run that trains for an hour and fails at its first save.
 """
 import os
@@ -45,23 +45,23 @@ def check_device(device: str | None, local_rank_flag: int | None = None):
                         f"pass --device cuda:0 to cuda:{count - 1}, or --device cpu")
 
 
-# A Unix socket's path holds at most 107 bytes. multiprocessing, which DataLoader workers
-# use to hand batches over, binds its sockets at {TMPDIR}/pymp-XXXXXXXX/listener-XXXXXXXX.
-UNIX_SOCKET_PATH_MAX = 107
-WORKER_SOCKET_TAIL = len("/pymp-12345678/listener-12345678")
+# A Unix socket's path holds at most 107 bytes on Linux. multiprocessing, which DataLoader
+# workers use to hand batches over, binds its sockets at {tmp}/pymp-XXXXXXXX/listener-XXXXXXXX.
+MAX_WORKER_TMPDIR = 107 - len("/pymp-12345678/listener-12345678")
 
 
 def check_worker_tmpdir(num_workers: int):
-    """With DataLoader workers, TMPDIR must be short enough for multiprocessing's sockets.
-
-    A longer one fails inside a worker's background thread, not in the trainer: the
-    trainer would wait for its first batch forever. (Clusters often set a per-job TMPDIR.)
-    Checked per process before any process group is made, as the flags are."""
-    tmp = tempfile.gettempdir()
-    longest = UNIX_SOCKET_PATH_MAX - WORKER_SOCKET_TAIL
-    if num_workers > 0 and len(os.fsencode(tmp)) > longest:
-        raise UserError(f"--num_workers {num_workers}: TMPDIR {tmp} is {len(os.fsencode(tmp))} bytes long, but "
-                        f"DataLoader workers pass batches through sockets under it that allow {longest}: "
+    """With DataLoader workers, the temp folder's path must be short enough for
+    multiprocessing's sockets. A longer one fails inside a worker's background thread,
+    not in the trainer, which would wait for its first batch forever. (Clusters often set
+    a long per-job TMPDIR.) Checked per process before any process group is made."""
+    if num_workers == 0:
+        return
+    tmp = tempfile.gettempdir()  # where multiprocessing puts them: TMPDIR, else TEMP, TMP, /tmp
+    length = len(os.fsencode(tmp))
+    if length > MAX_WORKER_TMPDIR:
+        raise UserError(f"--num_workers {num_workers}: the temp folder {tmp} (TMPDIR) is {length} bytes long, but "
+                        f"DataLoader workers pass batches through sockets under it that allow {MAX_WORKER_TMPDIR}: "
                         f"set TMPDIR to a shorter folder, or pass --num_workers 0")
 
 
