@@ -62,8 +62,8 @@ def test_only_rank_0_writes_and_both_ranks_join_the_same_collectives(tmp_path, m
     rank1 = FakeRank(1).install(monkeypatch)
     save_checkpoint(trainer_state(config, 4), model, optimizer, str(tmp_path / "rank1"), PREFIX)
 
-    assert sorted(tree_digest(tmp_path / "rank0")) == [f"{PREFIX}_resume.pth", f"{PREFIX}_resume_step0000004.pth",
-                                               f"{PREFIX}_resume_step0000004.pth.json"]
+    assert sorted(tree_digest(tmp_path / "rank0")) == [
+        f"{PREFIX}_resume.pth", f"{PREFIX}_resume_step0000004.pth", f"{PREFIX}_resume_step0000004.pth.json"]
     assert not (tmp_path / "rank1").exists()
     assert rank0.collectives == rank1.collectives and rank0.collectives, rank0.collectives
 

@@ -1,6 +1,7 @@
 """Start-up checks of the things a flag names outside the process: the device, the
-folders the run will write to, and the temp folder DataLoader workers use. They run before the first training step, so a typo
-costs one line at launch, not a run that trains for an hour and fails at its first save.
+folders the run will write to, and the temp folder DataLoader workers use. They run
+before the first training step, so a typo costs one line at launch, not a run that
+trains for an hour and fails at its first save.
 """
 import os
 import re
