@@ -22,8 +22,8 @@ import torch
 
 from tests.fault_helpers import assert_clean_exit, fault_env, job, run_all, worker_tracebacks
 from tests.launch_utils import (
-    PYTHON, TINY, TRAIN, assert_bitwise_equal, latest_checkpoint, load_checkpoint, out_args, run_env, run_training,
-    train_cmd,
+    PYTHON, TINY, TRAIN, assert_bitwise_equal, children, latest_checkpoint, load_checkpoint, out_args, run_env,
+    run_training, train_cmd,
 )
 from trainer.checkpoint import verify_checkpoint
 
@@ -249,7 +249,7 @@ def test_ctrl_c_to_the_whole_torchrun_process_group_saves(tmp_path):
     args = [*TINY, *out_args(tmp_path), "--max_steps", "100000", "--save_interval", "1000"]
     proc = _start(train_cmd(2, args), tmp_path, new_session=True)
     seen = _wait_for_step(proc, tmp_path, 3)
-    workers = [int(pid) for pid in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+    workers = children(proc.pid)
     assert len(workers) == 2
 
     def ctrl_c_then_echo():

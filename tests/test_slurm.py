@@ -12,7 +12,7 @@ import torch
 
 from tests.fault_helpers import ABORT_SIGNS, assert_clean_exit
 from tests.launch_utils import (
-    REPO_ROOT, TINY, TORCHRUN, assert_bitwise_equal, latest_checkpoint, out_args, start_training,
+    REPO_ROOT, TINY, TORCHRUN, assert_bitwise_equal, kill_tree, latest_checkpoint, out_args, start_training,
 )
 
 SBATCH = REPO_ROOT / "scripts" / "slurm" / "pretrain.sbatch"
@@ -101,7 +101,7 @@ def test_sbatch_trains_like_torchrun_with_two_processes(slurm, tmp_path):
         assert_clean_exit(plain.returncode, output, "plain torchrun")
     finally:
         if plain.poll() is None:
-            plain.kill()
+            kill_tree(plain.pid)
             plain.wait()
     log = job_log(tmp_path, job)
     assert f"done: {steps} steps" in log, log[-4000:]
