@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.forked_ranks import ForkedJob
 from tests.launch_utils import TINY, TORCHRUN, TRAIN, descendants, kill_tree, out_args, run_env, train_cmd
 
 
@@ -27,13 +28,25 @@ def fault_env(kind, at, rank) -> dict:
     return {"MINIMIND_FAULT_AT_STEP": str(at), "MINIMIND_FAULT_RANK": str(rank), "MINIMIND_FAULT_KIND": kind}
 
 
-def job(nproc, args, run_dir, env=None, launcher_args=()) -> tuple:
-    """A training job for run_all: plain `python` for one process, else torchrun."""
-    cmd = train_cmd(nproc, args, "python" if nproc == 1 else "torchrun")
+def job(nproc, args, run_dir, env=None, launcher="torchrun", launcher_args=()) -> tuple:
+    """A training job for run_all. launcher "torchrun": plain `python` for one process,
+    else torchrun; "forked": the ranks forked from the preloaded trainer (tests/forked_ranks.py),
+    for what the trainer does in a process group rather than what the launcher does."""
+    if launcher == "forked":
+        return Forked(nproc, TRAIN, [str(a) for a in args]), Path(run_dir), env
+    cmd = train_cmd(nproc, args, "python" if nproc == 1 else launcher)
     if launcher_args:  # torchrun's own flags, e.g. --max-restarts=3
         at = next(i for i, arg in enumerate(cmd) if arg.startswith("--nproc_per_node="))
         cmd[at:at] = list(launcher_args)
     return cmd, Path(run_dir), env
+
+
+@dataclass
+class Forked:
+    """A job of run_all that forked_ranks runs: `nproc` ranks of `python SCRIPT ARGV`."""
+    nproc: int
+    script: Path
+    argv: list
 
 
 def run_all(jobs: dict, at_once: int = 2, timeout: float = 180) -> dict:
@@ -45,25 +58,30 @@ def run_all(jobs: dict, at_once: int = 2, timeout: float = 180) -> dict:
     while pending or running:
         while pending and len(running) < at_once:
             name, (cmd, run_dir, env) = pending.pop(0)
-            run_dir.mkdir(parents=True, exist_ok=True)
-            log = open(f"{run_dir}.log", "w")
-            proc = subprocess.Popen(cmd, cwd=run_dir, env=run_env(run_dir, env), stdout=log,
-                                    stderr=subprocess.STDOUT, text=True)
-            running.append((name, proc, log, time.monotonic(), run_dir))
-        time.sleep(0.1)
+            running.append((name, _start(cmd, run_dir, env), time.monotonic(), run_dir))
+        time.sleep(0.05)
         for entry in list(running):
-            name, proc, log, start, run_dir = entry
+            name, proc, start, run_dir = entry
             late = time.monotonic() - start > timeout
             if proc.poll() is None and not late:
                 continue
             if proc.poll() is None:
-                kill_tree(proc.pid)
+                proc.kill() if isinstance(proc, ForkedJob) else kill_tree(proc.pid)
                 proc.wait()
-            log.close()
             done[name] = Finished(None if late else proc.returncode, Path(f"{run_dir}.log").read_text(),
                                   time.monotonic() - start)
             running.remove(entry)
     return done
+
+
+def _start(cmd, run_dir: Path, env):
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log_path = Path(f"{run_dir}.log")
+    if isinstance(cmd, Forked):
+        log_path.write_text("")
+        return ForkedJob(cmd.nproc, cmd.script, cmd.argv, run_dir, log_path, env)
+    with open(log_path, "w") as log:  # the child holds its own copy of the file
+        return subprocess.Popen(cmd, cwd=run_dir, env=run_env(run_dir, env), stdout=log, stderr=subprocess.STDOUT)
 
 
 # Three steps, shared by test_compile (eager DDP is what compiled runs must match) and

@@ -21,9 +21,10 @@ import pytest
 import torch
 
 from tests.fault_helpers import assert_clean_exit, fault_env, job, run_all, worker_tracebacks
+from tests.forked_ranks import train_forked
 from tests.launch_utils import (
     PYTHON, TINY, TRAIN, assert_bitwise_equal, children, latest_checkpoint, load_checkpoint, out_args, run_env,
-    run_training, train_cmd,
+    train_cmd,
 )
 from trainer.checkpoint import verify_checkpoint
 
@@ -77,15 +78,17 @@ NAN_K, BAD = 3, 3
 def runs(tmp_path_factory):
     """The jobs that need no other job's result, run two at a time: {name: (Finished, run_dir)}."""
     root = tmp_path_factory.mktemp("fault")
+    # Forked ranks (tests/forked_ranks.py), except where torchrun's restart is the subject.
     jobs = {
-        "uninterrupted": job(2, [*BASE, *out_args(root / "uninterrupted")], root / "uninterrupted"),
-        "killed": job(2, [*BASE, *out_args(root / "killed")], root / "killed", env=fault("kill")),
+        "uninterrupted": job(2, [*BASE, *out_args(root / "uninterrupted")], root / "uninterrupted", launcher="forked"),
+        "killed": job(2, [*BASE, *out_args(root / "killed")], root / "killed", env=fault("kill"), launcher="forked"),
         "restarted": job(2, [*BASE, *out_args(root / "restarted"), "--from_resume", "1"], root / "restarted",
                          env=fault("kill"), launcher_args=["--max-restarts=3"]),
         "nan": job(2, [*TINY, *out_args(root / "nan"), "--max_steps", str(NAN_K + 2), "--save_interval", "1"],
-                   root / "nan", env=fault("nan", at=NAN_K)),
+                   root / "nan", env=fault("nan", at=NAN_K), launcher="forked"),
         "nan_forever": job(2, [*TINY, *out_args(root / "nan_forever"), "--max_steps", "50", "--save_interval", "2",
-                               "--max_bad_steps", str(BAD)], root / "nan_forever", env=fault("nan_forever", at=NAN_K)),
+                               "--max_bad_steps", str(BAD)], root / "nan_forever", env=fault("nan_forever", at=NAN_K),
+                           launcher="forked"),
     }
     results = run_all(jobs, timeout=240)
     return {name: (results[name], jobs[name][1]) for name in jobs}
@@ -107,7 +110,7 @@ def test_killed_rank_then_resume_is_bitwise_identical(runs, uninterrupted):
     assert f"[fault injection] rank 1 SIGKILLs itself at step {K}" in killed.stdout
     assert ckpt_steps(run) == [SAVE], "only the save before the kill exists"
 
-    resumed = run_training(2, [*BASE, *out_args(run), "--from_resume", "1"], run, timeout=180)
+    resumed = train_forked(2, [*BASE, *out_args(run), "--from_resume", "1"], run, timeout=180)
     assert_clean_exit(resumed.returncode, resumed.stdout, "resumed")
     assert f"pretrain_64_resume_step{SAVE:07d}.pth at step {SAVE}/{N}" in resumed.stdout
     assert train_lines(resumed.stdout)[0] == SAVE + 1
@@ -202,7 +205,7 @@ def test_resume_after_sigterm_continues_after_the_saved_step(preempted):
     saved = _saved_step(preempted["output"])
     run = preempted["run"]
     args = [a if a != "100000" else str(saved + 2) for a in preempted["args"]]
-    resumed = run_training(2, [*args, "--from_resume", "1"], run, timeout=180)
+    resumed = train_forked(2, [*args, "--from_resume", "1"], run, timeout=180)
     assert_clean_exit(resumed.returncode, resumed.stdout, "resumed")
     assert f"at step {saved}/{saved + 2}" in resumed.stdout
     assert train_lines(resumed.stdout) == [saved + 1, saved + 2]

@@ -8,8 +8,9 @@ import torch
 from model.model_minimind import MiniMindForCausalLM
 from tests.helpers_data import SAMPLE_TEXTS, write_jsonl
 from tests.fault_helpers import assert_clean_exit
+from tests.forked_ranks import train_forked
 from tests.launch_utils import (
-    TINY, assert_bitwise_equal, latest_checkpoint, max_abs_diff, out_args, read_metrics, run_training, small_corpus,
+    TINY, assert_bitwise_equal, latest_checkpoint, max_abs_diff, out_args, read_metrics, small_corpus,
     train_in_process,
 )
 
@@ -27,17 +28,17 @@ def _args(corpus, run_dir, *extra):
 
 @pytest.mark.slow
 def test_packed_run_trains_only_real_tokens_and_resumes_exactly(packed_corpus, tmp_path):
-    straight = run_training(2, _args(packed_corpus, tmp_path / "straight"), tmp_path)
+    straight = train_forked(2, _args(packed_corpus, tmp_path / "straight"), tmp_path)
     assert_clean_exit(straight.returncode, straight.stdout, "straight run")
     rows = [json.loads(line) for line in (tmp_path / "straight" / "out" / "pretrain_64_metrics.jsonl").open()]
     train_rows = [r for r in rows if r["kind"] == "train"]
     # No padding: every position of every window is a real next-token target.
     assert train_rows[-1]["tokens_seen"] == 6 * 8 * 64
 
-    killed = run_training(2, _args(packed_corpus, tmp_path / "resumed"), tmp_path,
+    killed = train_forked(2, _args(packed_corpus, tmp_path / "resumed"), tmp_path,
                           env={"MINIMIND_FAULT_AT_STEP": "4", "MINIMIND_FAULT_RANK": "1"})
     assert killed.returncode != 0
-    resumed = run_training(2, _args(packed_corpus, tmp_path / "resumed", "--from_resume", "1"), tmp_path)
+    resumed = train_forked(2, _args(packed_corpus, tmp_path / "resumed", "--from_resume", "1"), tmp_path)
     assert_clean_exit(resumed.returncode, resumed.stdout, "resumed run")
     assert "at step 3/6" in resumed.stdout
     assert_bitwise_equal(latest_checkpoint(tmp_path / "straight")["model"],

@@ -11,7 +11,8 @@ import pytest
 from torch.utils.data import Dataset
 
 from tests.fault_helpers import assert_clean_exit
-from tests.launch_utils import TINY, latest_checkpoint, out_args, read_metrics, run_training, train_in_process
+from tests.forked_ranks import train_forked
+from tests.launch_utils import TINY, latest_checkpoint, out_args, read_metrics, train_in_process
 from trainer.data import ResumableDistributedSampler, make_train_loader
 from trainer.train_state import TrainState, plan_steps, resume_step
 
@@ -177,7 +178,7 @@ K1, K2 = 4, 12  # 2 processes x batch 4 to step 4 = 32 samples = step 8 of 1 pro
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("resume")
-    first = run_training(2, [*TINY, *out_args(run_dir), "--max_steps", str(K1), "--save_interval", str(K1)], run_dir)
+    first = train_forked(2, [*TINY, *out_args(run_dir), "--max_steps", str(K1), "--save_interval", str(K1)], run_dir)
     assert_clean_exit(first.returncode, first.stdout, "first run")
     saved = latest_checkpoint(run_dir)
     second = train_in_process([*TINY, *out_args(run_dir), "--from_resume", "1", "--max_steps", str(K2)], run_dir)
@@ -234,10 +235,10 @@ def test_resume_picks_the_most_trained_checkpoint_not_the_highest_step(resumed, 
     (64 samples). Step 8 is the newer checkpoint although its number is smaller."""
     run_dir = tmp_path / "grow"
     shutil.copytree(resumed[0], run_dir)
-    grown = run_training(2, [*TINY, *out_args(run_dir), "--from_resume", "1", "--max_steps", "8"], tmp_path)
+    grown = train_forked(2, [*TINY, *out_args(run_dir), "--from_resume", "1", "--max_steps", "8"], tmp_path)
     assert_clean_exit(grown.returncode, grown.stdout, "grown run")
     assert "at step 6/8" in grown.stdout
     assert latest_checkpoint(run_dir)["global_step"] == 8
-    third = run_training(2, [*TINY, *out_args(run_dir), "--from_resume", "1", "--max_steps", "10"], tmp_path)
+    third = train_forked(2, [*TINY, *out_args(run_dir), "--from_resume", "1", "--max_steps", "10"], tmp_path)
     assert_clean_exit(third.returncode, third.stdout, "third run")
     assert re.search(r"resumed from \S+_resume_step0000008\.pth at step 8/10", third.stdout)

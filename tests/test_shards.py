@@ -24,7 +24,8 @@ from dataset.shards import MANIFEST, ShardedPackedDataset
 from scripts import prepare_data
 from scripts.prepare_data import prepare
 from tests import helpers_data
-from tests.fault_helpers import assert_clean_exit, job, run_all
+from tests.fault_helpers import assert_clean_exit
+from tests.forked_ranks import train_forked
 from tests.launch_utils import REPO_ROOT, TINY, assert_bitwise_equal, latest_checkpoint, out_args
 from trainer.data import ResumableDistributedSampler, open_dataset
 
@@ -286,9 +287,10 @@ def test_an_unfinished_prep_directory_is_refused(tmp_path, tok_dir):
 # ---------------------------------------------------------------------------- the real trainer, 2 processes
 @pytest.mark.slow
 def test_training_on_shards_resumes_bitwise_as_on_the_concatenated_file(tmp_path, tok_dir):
-    """Both jobs side by side: 2 processes on the single .bin made from the concatenated
-    inputs; 2 processes on the shard directory, one rank SIGKILLed at step 4, torchrun
-    restarting the group, which resumes from step 3. Same windows, same final weights."""
+    """2 processes on the single .bin made from the concatenated inputs; 2 processes on
+    the shard directory, one rank SIGKILLed at step 4, then resumed from step 3 (the
+    ranks forked from the preloaded trainer: tests/forked_ranks.py). Same windows, same
+    final weights."""
     lines = DEMO.read_text().splitlines(keepends=True)[:300]
     (tmp_path / "data").mkdir()
     for k in range(3):
@@ -298,22 +300,19 @@ def test_training_on_shards_resumes_bitwise_as_on_the_concatenated_file(tmp_path
     prepare(str(tmp_path / "data" / "*.jsonl"), tmp_path / "shards", tok_dir, num_proc=1, shard_tokens=5000)
 
     base = [*TINY, "--max_steps", "6", "--save_interval", "3", "--global_batch_size", "8", "--num_workers", "1"]
-    jobs = {
-        "straight": job(2, [*base, "--data_path", str(tmp_path / "whole.bin"), *out_args(tmp_path / "straight")],
-                        tmp_path / "straight"),
-        "restarted": job(2, [*base, "--data_path", str(tmp_path / "shards"), *out_args(tmp_path / "restarted"),
-                             "--from_resume", "1"], tmp_path / "restarted",
-                         env={"MINIMIND_FAULT_AT_STEP": "4", "MINIMIND_FAULT_RANK": "1"},
-                         launcher_args=["--max-restarts=1"]),
-    }
-    results = run_all(jobs, timeout=300)
-    for name, result in results.items():
-        assert_clean_exit(result.returncode, result.stdout, name)
-    assert "[fault injection] rank 1 SIGKILLs itself at step 4" in results["restarted"].stdout
-    assert "pretrain_64_resume_step0000003.pth at step 3/6" in results["restarted"].stdout
-    straight, restarted = latest_checkpoint(tmp_path / "straight"), latest_checkpoint(tmp_path / "restarted")
-    assert straight["global_step"] == restarted["global_step"] == 6
-    assert_bitwise_equal(straight["model"], restarted["model"])
+    straight = train_forked(2, [*base, "--data_path", str(tmp_path / "whole.bin"), *out_args(tmp_path / "straight")],
+                            tmp_path / "straight")
+    assert_clean_exit(straight.returncode, straight.stdout, "straight")
+    on_shards = [*base, "--data_path", str(tmp_path / "shards"), *out_args(tmp_path / "resumed")]
+    killed = train_forked(2, on_shards, tmp_path / "resumed", env={"MINIMIND_FAULT_AT_STEP": "4",
+                                                                    "MINIMIND_FAULT_RANK": "1"})
+    assert killed.returncode != 0 and "[fault injection] rank 1 SIGKILLs itself at step 4" in killed.stdout
+    resumed = train_forked(2, [*on_shards, "--from_resume", "1"], tmp_path / "resumed")
+    assert_clean_exit(resumed.returncode, resumed.stdout, "resumed")
+    assert "pretrain_64_resume_step0000003.pth at step 3/6" in resumed.stdout
+    straight, resumed = latest_checkpoint(tmp_path / "straight"), latest_checkpoint(tmp_path / "resumed")
+    assert straight["global_step"] == resumed["global_step"] == 6
+    assert_bitwise_equal(straight["model"], resumed["model"])
 
 
 def test_shards_of_two_tokenizers_are_refused(tmp_path):

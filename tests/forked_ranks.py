@@ -1,0 +1,151 @@
+"""`torchrun --nproc_per_node=N SCRIPT ARGS` for the tests, without a fresh interpreter
+per rank: the ranks are forked from one server process that has imported the trainer once.
+
+A launched rank spends 5-8 s importing torch and transformers before its first step;
+a tiny run then trains for a second. Tests that show what the trainer does in a process
+group (DDP equals one process, a resume is bitwise exact, FSDP equals DDP) need real
+processes and a real gloo group, but not a new interpreter each. So this module plays
+the part of torchrun's agent, as the trainer sees it:
+  * it serves the job's TCPStore and exports what torchrun exports (RANK, LOCAL_RANK,
+    WORLD_SIZE, MASTER_ADDR/PORT, TORCHELASTIC_USE_AGENT_STORE, ...);
+  * each rank runs SCRIPT as `python SCRIPT ARGS` would (runpy, __name__ == "__main__"),
+    in the run folder, under the environment run_env gives a launched run, on one thread;
+  * when a rank fails, the others get SIGTERM, and SIGKILL 30 s later; the job's code is
+    then 1, as torchrun's is.
+What it does not do is what the launcher tests show with the real torchrun: restarts,
+rendezvous, signal forwarding, several nodes, its error report.
+
+The server is multiprocessing's fork server, started once per pytest session on first use.
+It imports the trainer and never runs a torch operation, so no thread pool exists
+to be lost in a fork (the pytest process itself runs tests on several threads).
+"""
+import multiprocessing
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing import process
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tests.launch_utils import TRAIN, kill_tree, run_env
+
+_CONTEXT = multiprocessing.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(["trainer.train_pretrain", "tests.forked_ranks"])
+GRACE_S = 30  # torchrun's wait between SIGTERM and SIGKILL for the ranks left
+
+
+class ForkedJob:
+    """One job of `nproc` ranks; polled like a subprocess.Popen (poll, wait, returncode).
+    All ranks write, merged, to `log_path`, as torchrun's workers share its stdout."""
+
+    def __init__(self, nproc: int, script, argv, run_dir, log_path, env=None):
+        self.returncode, self.failed_at = None, None
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=60)) if nproc > 1 else None
+        base = run_env(run_dir, env)
+        self.ranks = []
+        for rank in range(nproc):
+            rank_env = dict(base, **_launcher_env(rank, nproc, self.store.port)) if self.store else base
+            self.ranks.append(_CONTEXT.Process(target=_run_rank, name=f"rank{rank}",
+                                               args=(str(script), [str(a) for a in argv], str(run_dir),
+                                                     rank_env, str(log_path))))
+        for each in self.ranks:
+            each.start()
+
+    def poll(self):
+        codes = [each.exitcode for each in self.ranks]
+        if self.failed_at is None and any(code not in (None, 0) for code in codes):
+            self.failed_at = time.monotonic()
+            self._signal(signal.SIGTERM)
+        if self.failed_at is not None and time.monotonic() - self.failed_at > GRACE_S:
+            self._signal(signal.SIGKILL)
+        if None not in codes and self.returncode is None:
+            self.returncode = 0 if set(codes) == {0} else 1
+            self.codes = codes
+            self.store = None
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """The job's code, or None after killing every rank still running at `timeout` s."""
+        deadline = time.monotonic() + (timeout if timeout is not None else float("inf"))
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                self.kill()
+                return None
+            time.sleep(0.05)
+        return self.returncode
+
+    def kill(self):
+        for each in self.ranks:
+            if each.exitcode is None and each.pid is not None:
+                kill_tree(each.pid)  # DataLoader workers too
+        for each in self.ranks:
+            each.join()
+        self.poll()
+
+    def _signal(self, signum):
+        for each in self.ranks:
+            if each.exitcode is None and each.pid is not None:
+                try:
+                    os.kill(each.pid, signum)
+                except ProcessLookupError:
+                    pass
+
+
+def _launcher_env(rank: int, nproc: int, port: int) -> dict:
+    """What torchrun exports to a worker of a one-node job (torch/distributed/elastic)."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+            "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(nproc),
+            "ROLE_NAME": "default", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "none"}
+
+
+def _run_rank(script: str, argv: list, run_dir: str, env: dict, log_path: str):
+    """In the forked rank: become `python SCRIPT ARGV` started in run_dir under env.
+    multiprocessing turns SystemExit into the exit code and runs its own clean-up."""
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    sys.stdout.reconfigure(line_buffering=True)
+    os.environ.clear()
+    os.environ.update(env)
+    # A fresh process would find its temp folder from the new TMPDIR; these were set
+    # from the pytest process's (multiprocessing's by the Process object it pickled).
+    tempfile.tempdir = None
+    process.current_process()._config.pop("tempdir", None)
+    # The fork server's start method is inherited too; a fresh process starts DataLoader
+    # workers with the platform's default (fork on Linux), as children of its own.
+    multiprocessing.set_start_method(None, force=True)
+    os.chdir(run_dir)
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    sys.argv = [script, *argv]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException:
+        traceback.print_exc()  # as Python prints it, not under multiprocessing's "Process rank0:"
+        sys.exit(1)
+
+
+def train_forked(nproc: int, args, run_dir, env=None, timeout: float = 240, script=TRAIN):
+    """run_training's forked twin: `torchrun --nproc_per_node=nproc SCRIPT ARGS` (plain
+    `python` for one process) run in run_dir; returns a CompletedProcess with the merged
+    output. Past `timeout` every rank is killed and TimeoutExpired raised."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log_path = Path(f"{run_dir}.log")
+    log_path.write_text("")
+    code = ForkedJob(nproc, script, args, run_dir, log_path, env).wait(timeout)
+    if code is None:
+        raise subprocess.TimeoutExpired(["forked", str(script)], timeout, log_path.read_text())
+    return subprocess.CompletedProcess(["forked", str(script), *map(str, args)], code, log_path.read_text())
