@@ -11,7 +11,7 @@ the part of torchrun's agent, as the trainer sees it:
   * each rank runs SCRIPT as `python SCRIPT ARGS` would (runpy, __name__ == "__main__"),
     in the run folder, under the environment run_env gives a launched run, on one thread;
   * when a rank fails, the others get SIGTERM, and SIGKILL 30 s later; the job's code is
-    then 1, as torchrun's is.
+    then 1, as torchrun's is (a job of one process has that process's own code).
 What it does not do is what the launcher tests show with the real torchrun: restarts,
 rendezvous, signal forwarding, several nodes, its error report.
 
@@ -68,8 +68,8 @@ class ForkedJob:
         if self.failed_at is not None and time.monotonic() - self.failed_at > GRACE_S:
             self._signal(signal.SIGKILL)
         if None not in codes and self.returncode is None:
-            self.returncode = 0 if set(codes) == {0} else 1
-            self.codes = codes
+            # One process: its own code, as `python` gives it; a group: torchrun's 0 or 1.
+            self.returncode = codes[0] if len(codes) == 1 else 0 if set(codes) == {0} else 1
             self.store = None
         return self.returncode
 

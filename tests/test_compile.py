@@ -1,5 +1,7 @@
-"""--use_compile 1 under torchrun trains like eager: torch.compile around the DDP module
-(dynamo splits the graph at DDP's buckets), and per-block compile inside FSDP2."""
+"""--use_compile 1 with 2 processes trains like eager: torch.compile around the DDP module
+(dynamo splits the graph at DDP's buckets), and per-block compile inside FSDP2. The eager
+run is torchrun's (shared with test_clean_shutdown); the compiled ranks are forked from
+the preloaded trainer (tests/forked_ranks.py)."""
 import pytest
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -17,9 +19,10 @@ BASE = THREE_STEPS  # lr 5e-4 and a long --dist_timeout: see fault_helpers
 def test_compiled_ddp_and_fsdp_match_eager_ddp(tmp_path, shared_runs):
     eager_dir, eager_run = shared_runs({"eager_ddp": (2, BASE)})["eager_ddp"]
     jobs = {
-        "ddp": job(2, [*BASE, *out_args(tmp_path / "ddp"), "--use_compile", "1"], tmp_path / "ddp"),
+        "ddp": job(2, [*BASE, *out_args(tmp_path / "ddp"), "--use_compile", "1"], tmp_path / "ddp",
+                   launcher="forked"),
         "fsdp": job(2, [*BASE, *out_args(tmp_path / "fsdp"), "--use_compile", "1", "--parallel", "fsdp"],
-                    tmp_path / "fsdp"),
+                    tmp_path / "fsdp", launcher="forked"),
     }
     done = {"eager": eager_run, **run_all(jobs, timeout=600)}
     for name, result in done.items():

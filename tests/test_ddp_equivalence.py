@@ -2,22 +2,21 @@
 import pytest
 import torch
 
-from tests.fault_helpers import assert_clean_exit, run_all
-from tests.launch_utils import PYTHON, REPO_ROOT, TORCHRUN, max_abs_diff
+from tests.fault_helpers import Forked, assert_clean_exit, run_all
+from tests.launch_utils import REPO_ROOT, max_abs_diff
 
-WORKER = str(REPO_ROOT / "tests" / "ddp_step_worker.py")
+WORKER = REPO_ROOT / "tests" / "ddp_step_worker.py"
 # name: (processes, batch per process, accumulation steps)
 STEPS = {"ddp": (2, 4, 1), "single": (1, 8, 1), "accum": (1, 4, 2), "half": (1, 4, 1)}
 
 
 @pytest.fixture(scope="module")
 def steps(tmp_path_factory):
-    """One optimizer step of each kind, two launches at a time: {name: {"weights", "loss"}}."""
+    """One optimizer step of each kind, two jobs at a time, each rank a process forked from
+    the preloaded trainer (tests/forked_ranks.py): {name: {"weights", "loss"}}."""
     root = tmp_path_factory.mktemp("steps")
-    jobs = {}
-    for name, (nproc, batch, accum) in STEPS.items():
-        launcher = [PYTHON] if nproc == 1 else [*TORCHRUN, f"--nproc_per_node={nproc}"]
-        jobs[name] = [*launcher, WORKER, str(root / f"{name}.pt"), str(batch), str(accum)], root / name, None
+    jobs = {name: (Forked(nproc, WORKER, [str(root / f"{name}.pt"), str(batch), str(accum)]), root / name, None)
+            for name, (nproc, batch, accum) in STEPS.items()}
     for name, result in run_all(jobs, timeout=120).items():
         assert_clean_exit(result.returncode, result.stdout, name)
     return {name: torch.load(root / f"{name}.pt", weights_only=True) for name in STEPS}

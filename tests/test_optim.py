@@ -2,7 +2,6 @@
 resume with Muon, the per-group schedule; dataset/token_bytes.py: bits per byte."""
 import math
 import runpy
-import subprocess
 import sys
 
 import pytest
@@ -10,9 +9,9 @@ import torch
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.fault_helpers import assert_clean_exit
+from tests.forked_ranks import train_forked
 from tests.launch_utils import (
-    REPO_ROOT, TINY, TORCHRUN, assert_bitwise_equal, latest_checkpoint, out_args, run_env, run_in_process,
-    run_training, train_in_process,
+    REPO_ROOT, TINY, assert_bitwise_equal, latest_checkpoint, out_args, run_in_process, train_in_process,
 )
 from trainer import optim
 from trainer.optim import OptimConfig, build_optimizer, param_groups, peak_lrs, resolve_dtype, set_lr
@@ -146,14 +145,13 @@ WORKER = REPO_ROOT / "tests" / "muon_step_worker.py"
 
 
 def _muon_steps(tmp_path, name, parallel, nproc):
-    """The worker's losses and weights: under torchrun, or for one process in this process."""
+    """The worker's losses and weights: ranks forked from the preloaded trainer
+    (tests/forked_ranks.py), or for one process in this process."""
     out = tmp_path / f"{name}.pt"
     if nproc == 1:
         result = run_in_process(lambda: _run_worker_here(out, parallel), tmp_path)
     else:
-        result = subprocess.run([*TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", str(WORKER), str(out),
-                                 parallel], env=run_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, timeout=300)
+        result = train_forked(nproc, [out, parallel], tmp_path, timeout=300, script=WORKER)
     assert_clean_exit(result.returncode, result.stdout, f"{nproc}-process Muon run")
     return torch.load(out, weights_only=True)
 
@@ -193,12 +191,13 @@ def test_muon_data_parallel_matches_one_process(muon_single, tmp_path, parallel)
 def test_muon_resumes_bitwise_after_a_kill(tmp_path):
     """One process, Muon + AdamW: killed at step 5, resumed from the step-4 checkpoint,
     the final weights and optimizer state of both optimizers equal an uninterrupted run's.
-    Only the killed run is a process of its own (it SIGKILLs itself); the uninterrupted and
-    the resumed run are in-process, on one thread as the launched one."""
+    Only the killed run is a process of its own (it SIGKILLs itself: forked from the
+    preloaded trainer); the uninterrupted and the resumed run are in-process, on one thread
+    as the forked one."""
     base = [*TINY, "--optimizer", "muon", "--max_steps", "6", "--save_interval", "2"]  # the later flag wins
     whole = train_in_process([*base, *out_args(tmp_path / "whole")], tmp_path)
     assert whole.returncode == 0, whole.stdout[-3000:]
-    killed = run_training(1, [*base, *out_args(tmp_path / "killed")], tmp_path, launcher="python",
+    killed = train_forked(1, [*base, *out_args(tmp_path / "killed")], tmp_path,
                           env={"MINIMIND_FAULT_AT_STEP": "5", "MINIMIND_FAULT_KIND": "kill"})
     assert killed.returncode != 0
     resumed = train_in_process([*base, *out_args(tmp_path / "killed"), "--from_resume", "1"], tmp_path)

@@ -18,10 +18,8 @@ from model.model_minimind import MiniMindConfig
 from model.weights import WeightsError, load_model, read_checkpoint
 from scripts.convert_model import save_pth
 from scripts.eval_llm import main as eval_main
-from tests.fault_helpers import assert_clean_exit, error_lines, run_all, worker_tracebacks
-from tests.launch_utils import (
-    FLAGS, PYTHON, REPO_ROOT, TINY, TORCHRUN, ensure_demo_corpus, out_args, train_cmd, train_tiny,
-)
+from tests.fault_helpers import Forked, assert_clean_exit, error_lines, run_all, worker_tracebacks
+from tests.launch_utils import FLAGS, REPO_ROOT, TINY, TORCHRUN, TRAIN, ensure_demo_corpus, out_args, train_tiny
 from trainer import preflight
 from trainer.checkpoint import save_checkpoint, verify_checkpoint
 from trainer.train_pretrain import main as train_main, save_weights
@@ -65,23 +63,23 @@ def test_read_checkpoint_refuses_the_payload_in_one_line(tmp_path):
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    """The payload through each entry point, and a bad flag under 2-process torchrun."""
+    """The payload through each entry point, and a bad flag under 2-process torchrun. Each
+    entry point is a process of its own, forked from the preloaded trainer (tests/forked_ranks.py),
+    as is the shared-directory check's pair of ranks; torchrun's own job is a real torchrun."""
     root = tmp_path_factory.mktemp("untrusted")
     ensure_demo_corpus()
     evil = root / "evil.pth"
-    commands = {
-        "eval_llm": [PYTHON, str(SCRIPTS / "eval_llm.py"), "--weight_path", str(evil), "--prompt", "x",
-                     "--device", "cpu"],
-        "train_pretrain": train_cmd(1, [*TINY, *out_args(root / "train_pretrain"), "--max_steps", "2",
-                                        "--from_weight", str(evil)], "python"),
-        "convert_model": [PYTHON, str(SCRIPTS / "convert_model.py"), "--weight_path", str(evil),
-                          "--out_dir", str(root / "hf")],
-        "torchrun_bad_flag": [*TORCHRUN, "--standalone", "--nproc_per_node=2", str(REPO_ROOT / "trainer" / "train_pretrain.py"),
+    jobs = {
+        "eval_llm": Forked(1, SCRIPTS / "eval_llm.py", ["--weight_path", str(evil), "--prompt", "x", "--device", "cpu"]),
+        "train_pretrain": Forked(1, TRAIN, [*TINY, *out_args(root / "train_pretrain"), "--max_steps", "2",
+                                            "--from_weight", str(evil)]),
+        "convert_model": Forked(1, SCRIPTS / "convert_model.py", ["--weight_path", str(evil),
+                                                                  "--out_dir", str(root / "hf")]),
+        "torchrun_bad_flag": [*TORCHRUN, "--standalone", "--nproc_per_node=2", str(TRAIN),
                               *TINY, *out_args(root / "torchrun_bad_flag"), "--learning_rate", "nan"],
-        "shared_dir": [*TORCHRUN, "--standalone", "--nproc_per_node=2", str(REPO_ROOT / "tests" / "shared_dir_worker.py"),
-                       str(root / "shared_dir")],
+        "shared_dir": Forked(2, REPO_ROOT / "tests" / "shared_dir_worker.py", [str(root / "shared_dir")]),
     }
-    jobs = {name: (cmd, root / name, None) for name, cmd in commands.items()}
+    jobs = {name: (cmd, root / name, None) for name, cmd in jobs.items()}
     (root / "shared_dir").mkdir()
     (root / "shared_dir" / "a_file").write_text("not a folder")
     # One payload file for all three entry points: any of them that unpickles it leaves the marker.
