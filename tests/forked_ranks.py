@@ -15,9 +15,9 @@ the part of torchrun's agent, as the trainer sees it:
 What it does not do is what the launcher tests show with the real torchrun: restarts,
 rendezvous, signal forwarding, several nodes, its error report.
 
-The server is multiprocessing's fork server, started once per pytest session on first use.
-It imports the trainer and never runs a torch operation, so no thread pool exists
-to be lost in a fork (the pytest process itself runs tests on several threads).
+The server is multiprocessing's fork server, started once per pytest session on first use
+(a process of its own: pytest's, which runs tests on several threads, is no safe place to
+fork from). It only imports the trainer; it trains nothing.
 """
 import multiprocessing
 import os

@@ -120,7 +120,7 @@ def test_sbatch_trains_like_torchrun_with_two_processes(slurm, tmp_path):
 def test_requeue_saves_at_the_current_step_and_resumes_there(slurm, tmp_path):
     """`scontrol requeue` mid-run: every rank saves at the step it is in (not just the
     last periodic checkpoint), the job comes back and finishes from that step."""
-    steps, every = 250, 50
+    steps, every = 160, 50  # the requeue comes after step 55: 100 steps (~7 s) of room
     args = [*TINY, "--max_steps", str(steps), "--save_interval", str(every), *out_args(tmp_path)]
     job, env = submit(slurm, tmp_path, args)
 

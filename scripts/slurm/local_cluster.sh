@@ -41,6 +41,9 @@ start() {
     chmod 400 "$dir/munge/munge.key"
     munged --force --key-file="$dir/munge/munge.key" --socket="$dir/munge/munge.socket" \
         --pid-file="$dir/munge/munged.pid" --log-file="$dir/munge/munged.log" --seed-file="$dir/munge/munged.seed"
+    # KillWait: how long a job has, after SIGTERM (scancel, requeue, time limit), before
+    # SIGKILL; srun waits that long plus 2 s before a requeued job leaves the node. SLURM's
+    # default is 30 s; a tiny model saves in well under a second, so 10 s keeps a requeue short.
     cat > "$dir/slurm.conf" <<CONF
 ClusterName=minimind_test
 SlurmctldHost=$host
@@ -67,7 +70,7 @@ SelectTypeParameters=CR_CPU
 SchedulerType=sched/backfill
 MpiDefault=none
 ReturnToService=2
-KillWait=30
+KillWait=10
 SchedulerParameters=sched_interval=1
 NodeName=$host CPUs=2 State=UNKNOWN
 PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP
