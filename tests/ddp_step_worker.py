@@ -1,5 +1,6 @@
-"""Run one `optimizer_step` of the trainer on fixed batches, as 1 process or
-under torchrun, and save the loss and the updated weights for comparison.
+"""Run one `optimizer_step` of the trainer on fixed batches, as 1 process or under
+torchrun (the tests fork its ranks: tests/forked_ranks.py), and save the loss and the
+updated weights for comparison.
 
     python tests/ddp_step_worker.py OUT.pt BATCH ACCUM      (or under torchrun)
 

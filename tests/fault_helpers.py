@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.forked_ranks import ForkedJob
+from tests.forked_ranks import Forked, ForkedJob
 from tests.launch_utils import TINY, TORCHRUN, TRAIN, descendants, kill_tree, out_args, run_env, train_cmd
 
 
@@ -30,58 +30,65 @@ def fault_env(kind, at, rank) -> dict:
 
 def job(nproc, args, run_dir, env=None, launcher="torchrun", launcher_args=()) -> tuple:
     """A training job for run_all. launcher "torchrun": plain `python` for one process,
-    else torchrun; "forked": the ranks forked from the preloaded trainer (tests/forked_ranks.py),
-    for what the trainer does in a process group rather than what the launcher does."""
+    else torchrun (`launcher_args` are torchrun's own flags, e.g. --max-restarts=3);
+    "forked": the ranks forked from the preloaded trainer (tests/forked_ranks.py), for
+    what the trainer does in a process group rather than what the launcher does."""
     if launcher == "forked":
-        return Forked(nproc, TRAIN, [str(a) for a in args]), Path(run_dir), env
+        if launcher_args:
+            raise ValueError("forked ranks have no launcher flags; use launcher='torchrun'")
+        return Forked(nproc, TRAIN, list(args)), Path(run_dir), env
     cmd = train_cmd(nproc, args, "python" if nproc == 1 else launcher)
-    if launcher_args:  # torchrun's own flags, e.g. --max-restarts=3
+    if launcher_args:
         at = next(i for i, arg in enumerate(cmd) if arg.startswith("--nproc_per_node="))
         cmd[at:at] = list(launcher_args)
     return cmd, Path(run_dir), env
 
 
-@dataclass
-class Forked:
-    """A job of run_all that forked_ranks runs: `nproc` ranks of `python SCRIPT ARGV`."""
-    nproc: int
-    script: Path
-    argv: list
-
-
 def run_all(jobs: dict, at_once: int = 2, timeout: float = 180) -> dict:
-    """Run jobs (see `job`), at most `at_once` at a time: start-up is most of a tiny run
-    and keeps about one core busy. Output goes to {run_dir}.log, not a pipe, so a
-    chatty job cannot block. Returns {name: Finished}; a job still running after
-    `timeout` seconds is killed and reported with returncode None."""
+    """Run jobs (see `job`; a Forked job as (Forked(...), run_dir, env)), at most
+    `at_once` at a time: start-up is most of a tiny run and keeps about one core busy.
+    Output goes to {run_dir}.log, not a pipe, so a chatty job cannot block. Returns
+    {name: Finished}; a job still running after `timeout` seconds is killed and
+    reported with returncode None. If the caller is interrupted, every job is killed."""
     pending, running, done = list(jobs.items()), [], {}
-    while pending or running:
-        while pending and len(running) < at_once:
-            name, (cmd, run_dir, env) = pending.pop(0)
-            running.append((name, _start(cmd, run_dir, env), time.monotonic(), run_dir))
-        time.sleep(0.05)
-        for entry in list(running):
-            name, proc, start, run_dir = entry
-            late = time.monotonic() - start > timeout
-            if proc.poll() is None and not late:
-                continue
-            if proc.poll() is None:
-                proc.kill() if isinstance(proc, ForkedJob) else kill_tree(proc.pid)
-                proc.wait()
-            done[name] = Finished(None if late else proc.returncode, Path(f"{run_dir}.log").read_text(),
-                                  time.monotonic() - start)
-            running.remove(entry)
+    try:
+        while pending or running:
+            while pending and len(running) < at_once:
+                name, (cmd, run_dir, env) = pending.pop(0)
+                running.append((name, _start(cmd, run_dir, env), time.monotonic(), run_dir))
+            time.sleep(0.05)
+            for entry in list(running):
+                name, proc, start, run_dir = entry
+                late = time.monotonic() - start > timeout
+                if proc.poll() is None and not late:
+                    continue
+                if proc.poll() is None:
+                    _kill(proc)
+                done[name] = Finished(None if late else proc.returncode, Path(f"{run_dir}.log").read_text(),
+                                      time.monotonic() - start)
+                running.remove(entry)
+    except BaseException:
+        for _, proc, _, _ in running:
+            _kill(proc)
+        raise
     return done
 
 
 def _start(cmd, run_dir: Path, env):
-    run_dir.mkdir(parents=True, exist_ok=True)
-    log_path = Path(f"{run_dir}.log")
     if isinstance(cmd, Forked):
-        log_path.write_text("")
-        return ForkedJob(cmd.nproc, cmd.script, cmd.argv, run_dir, log_path, env)
-    with open(log_path, "w") as log:  # the child holds its own copy of the file
+        return ForkedJob(cmd, run_dir, env)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(f"{run_dir}.log", "w") as log:  # the child holds its own copy of the file
         return subprocess.Popen(cmd, cwd=run_dir, env=run_env(run_dir, env), stdout=log, stderr=subprocess.STDOUT)
+
+
+def _kill(proc):
+    """Kill a job of run_all with everything it started, and reap it."""
+    if isinstance(proc, ForkedJob):
+        proc.kill()
+    else:
+        kill_tree(proc.pid)
+        proc.wait()
 
 
 # Three steps, shared by test_compile (eager DDP is what compiled runs must match) and

@@ -9,15 +9,22 @@ the part of torchrun's agent, as the trainer sees it:
   * it serves the job's TCPStore and exports what torchrun exports (RANK, LOCAL_RANK,
     WORLD_SIZE, MASTER_ADDR/PORT, TORCHELASTIC_USE_AGENT_STORE, ...);
   * each rank runs SCRIPT as `python SCRIPT ARGS` would (runpy, __name__ == "__main__"),
-    in the run folder, under the environment run_env gives a launched run, on one thread;
-  * when a rank fails, the others get SIGTERM, and SIGKILL 30 s later; the job's code is
-    then 1, as torchrun's is (a job of one process has that process's own code).
-What it does not do is what the launcher tests show with the real torchrun: restarts,
-rendezvous, signal forwarding, several nodes, its error report.
+    in a session of its own, in the run folder, under the environment run_env gives a
+    launched run, on one thread;
+  * when a rank fails, the others' process groups get SIGTERM, and SIGKILL 30 s later;
+    the job's code is then 1, as torchrun's is (a job of one process has that process's
+    own code).
+What a forked rank cannot show is left to the tests that launch the real thing:
+  * torchrun itself: restarts, rendezvous, signal forwarding, several nodes, its report;
+  * the interpreter's exit: a forked rank ends in os._exit, after no atexit hooks or
+    static destructors, where gloo's rare abort at exit would happen (test_clean_shutdown);
+  * ranks with different string-hash seeds: forked ranks share the server's, so a
+    set iterated in a different order on each rank would go unnoticed here.
 
 The server is multiprocessing's fork server, started once per pytest session on first use
-(a process of its own: pytest's, which runs tests on several threads, is no safe place to
-fork from). It only imports the trainer; it trains nothing.
+(a process of its own: pytest's has threads, such as the stores of earlier jobs, and the
+state of in-process runs, so it is no clean place to fork from). It only imports; it
+trains nothing.
 """
 import multiprocessing
 import os
@@ -28,35 +35,50 @@ import sys
 import tempfile
 import time
 import traceback
+from dataclasses import dataclass
 from datetime import timedelta
-from multiprocessing import process
+from multiprocessing import forkserver, process
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from tests.launch_utils import TRAIN, kill_tree, run_env
+from tests.launch_utils import REPO_ROOT, TRAIN, kill_tree, run_env
 
 _CONTEXT = multiprocessing.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(["trainer.train_pretrain", "tests.forked_ranks"])
+_PRELOAD = "trainer.train_pretrain"
+_CONTEXT.set_forkserver_preload([_PRELOAD, "tests.forked_ranks"])
 GRACE_S = 30  # torchrun's wait between SIGTERM and SIGKILL for the ranks left
 
 
-class ForkedJob:
-    """One job of `nproc` ranks; polled like a subprocess.Popen (poll, wait, returncode).
-    All ranks write, merged, to `log_path`, as torchrun's workers share its stdout."""
+@dataclass
+class Forked:
+    """A job for fault_helpers.run_all: `nproc` ranks of `python SCRIPT ARGV`."""
+    nproc: int
+    script: Path
+    argv: list
 
-    def __init__(self, nproc: int, script, argv, run_dir, log_path, env=None):
+
+class ForkedJob:
+    """One running job; polled like a subprocess.Popen (poll, returncode). The ranks
+    write, merged, to {run_dir}.log, as torchrun's workers share its stdout."""
+
+    def __init__(self, job: Forked, run_dir, env=None):
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = Path(f"{run_dir}.log")
+        self.log_path.write_text("")
         self.returncode, self.failed_at = None, None
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=60)) if nproc > 1 else None
+                                   timeout=timedelta(seconds=60)) if job.nproc > 1 else None
         base = run_env(run_dir, env)
+        argv = [str(a) for a in job.argv]
+        _start_server()
         self.ranks = []
-        for rank in range(nproc):
-            rank_env = dict(base, **_launcher_env(rank, nproc, self.store.port)) if self.store else base
-            self.ranks.append(_CONTEXT.Process(target=_run_rank, name=f"rank{rank}",
-                                               args=(str(script), [str(a) for a in argv], str(run_dir),
-                                                     rank_env, str(log_path))))
+        for rank in range(job.nproc):
+            rank_env = dict(base, **_launcher_env(rank, job.nproc, self.store.port)) if job.nproc > 1 else base
+            where = (str(job.script), argv, str(run_dir), rank_env, str(self.log_path))
+            self.ranks.append(_CONTEXT.Process(target=_run_rank, name=f"rank{rank}", args=where))
         for each in self.ranks:
             each.start()
 
@@ -73,9 +95,9 @@ class ForkedJob:
             self.store = None
         return self.returncode
 
-    def wait(self, timeout: float | None = None) -> int | None:
-        """The job's code, or None after killing every rank still running at `timeout` s."""
-        deadline = time.monotonic() + (timeout if timeout is not None else float("inf"))
+    def finish(self, timeout: float) -> int | None:
+        """Wait for the job's code; past `timeout` s kill every rank and return None."""
+        deadline = time.monotonic() + timeout
         while self.poll() is None:
             if time.monotonic() > deadline:
                 self.kill()
@@ -84,20 +106,38 @@ class ForkedJob:
         return self.returncode
 
     def kill(self):
+        """SIGKILL every rank left, with whatever it started (DataLoader workers), and reap them."""
         for each in self.ranks:
             if each.exitcode is None and each.pid is not None:
-                kill_tree(each.pid)  # DataLoader workers too
+                kill_tree(each.pid)
         for each in self.ranks:
             each.join()
         self.poll()
+
+    def output(self) -> str:
+        return self.log_path.read_text()
 
     def _signal(self, signum):
         for each in self.ranks:
             if each.exitcode is None and each.pid is not None:
                 try:
-                    os.kill(each.pid, signum)
-                except ProcessLookupError:
-                    pass
+                    os.killpg(each.pid, signum)  # the rank's session: its DataLoader workers too
+                except ProcessLookupError:  # not yet its own group leader
+                    try:
+                        os.kill(each.pid, signum)
+                    except ProcessLookupError:
+                        pass
+
+
+def _start_server():
+    """Start the fork server (if it is not running) from the repository root: Python 3.11's
+    puts its working directory, not the caller's sys.path, on the path it preloads from."""
+    here = os.getcwd()
+    os.chdir(REPO_ROOT)
+    try:
+        forkserver.ensure_running()
+    finally:
+        os.chdir(here)
 
 
 def _launcher_env(rank: int, nproc: int, port: int) -> dict:
@@ -112,10 +152,14 @@ def _launcher_env(rank: int, nproc: int, port: int) -> dict:
 def _run_rank(script: str, argv: list, run_dir: str, env: dict, log_path: str):
     """In the forked rank: become `python SCRIPT ARGV` started in run_dir under env.
     multiprocessing turns SystemExit into the exit code and runs its own clean-up."""
+    os.setsid()  # as torchrun starts its workers; a Ctrl-C to pytest's terminal is not theirs
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(log, 1)
     os.dup2(log, 2)
+    os.close(log)
     sys.stdout.reconfigure(line_buffering=True)
+    if _PRELOAD not in sys.modules:  # the rank still works, but imports everything itself
+        print(f"forked_ranks: the fork server did not preload {_PRELOAD}", file=sys.stderr)
     os.environ.clear()
     os.environ.update(env)
     # A fresh process would find its temp folder from the new TMPDIR; these were set
@@ -140,12 +184,14 @@ def _run_rank(script: str, argv: list, run_dir: str, env: dict, log_path: str):
 def train_forked(nproc: int, args, run_dir, env=None, timeout: float = 240, script=TRAIN):
     """run_training's forked twin: `torchrun --nproc_per_node=nproc SCRIPT ARGS` (plain
     `python` for one process) run in run_dir; returns a CompletedProcess with the merged
-    output. Past `timeout` every rank is killed and TimeoutExpired raised."""
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    log_path = Path(f"{run_dir}.log")
-    log_path.write_text("")
-    code = ForkedJob(nproc, script, args, run_dir, log_path, env).wait(timeout)
+    output. Past `timeout`, or if the caller is interrupted, every rank is killed
+    (TimeoutExpired raised for the timeout)."""
+    job = ForkedJob(Forked(nproc, Path(script), list(args)), run_dir, env)
+    try:
+        code = job.finish(timeout)
+    except BaseException:
+        job.kill()
+        raise
     if code is None:
-        raise subprocess.TimeoutExpired(["forked", str(script)], timeout, log_path.read_text())
-    return subprocess.CompletedProcess(["forked", str(script), *map(str, args)], code, log_path.read_text())
+        raise subprocess.TimeoutExpired(["forked", str(script)], timeout, job.output())
+    return subprocess.CompletedProcess(["forked", str(script), *map(str, args)], code, job.output())

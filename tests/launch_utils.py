@@ -1,6 +1,5 @@
 """Launch train_pretrain.py the ways users do, on tiny CPU configs, for the tests:
 as processes, or in this process where the process itself is not what a test shows."""
-import getpass
 import io
 import json
 import os
@@ -44,9 +43,12 @@ def run_env(tmp_path, extra=None) -> dict:
     # of DataLoader workers (trainer/preflight.py), as under a long user name or xdist.
     tmp = str(tmp_path) if len(os.fsencode(str(tmp_path))) <= MAX_WORKER_TMPDIR else tempfile.gettempdir()
     env.update(OMP_NUM_THREADS="1", TMPDIR=tmp, PYTHONUNBUFFERED="1")
-    # torch.compile keeps its kernels under the temp folder by default; one folder for
-    # every run, as a user's runs share theirs, so compiled runs do not all start cold.
-    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"))
+    # torch.compile keeps its kernels under the temp folder by default; the folder this
+    # process would use, for every run, as a user's runs share theirs: compiled runs do
+    # not all start cold (a test of compile then checks cached kernels after its first run).
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
     # The launched runs are CPU runs: with a GPU visible, a 2-process job would put rank 1
     # on cuda:1 (absent on a 1-GPU machine), and scripts without --device would use cuda:0.
     env["CUDA_VISIBLE_DEVICES"] = ""

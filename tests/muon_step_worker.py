@@ -1,5 +1,6 @@
-"""Run STEPS `optimizer_step`s of the trainer with --optimizer muon on fixed
-batches, as 1 process or under torchrun (DDP or FSDP), and save the loss and weights.
+"""Run STEPS `optimizer_step`s of the trainer with --optimizer muon on fixed batches,
+as 1 process or under torchrun (DDP or FSDP; the tests fork its ranks: tests/forked_ranks.py),
+and save the loss and weights.
 
     python tests/muon_step_worker.py OUT.pt ddp|fsdp      (or under torchrun)
 

@@ -1,4 +1,5 @@
-"""Run trainer/preflight.check_output_dirs under torchrun and record what each rank decided.
+"""Run trainer/preflight.check_output_dirs in 2 processes (torchrun, or the tests' forked
+ranks) and record what each rank decided.
 
     torchrun --standalone --nproc_per_node=2 tests/shared_dir_worker.py ROOT
 

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from tests.fault_helpers import Forked, assert_clean_exit, run_all
+from tests.fault_helpers import assert_clean_exit, run_all
+from tests.forked_ranks import Forked
 from tests.launch_utils import REPO_ROOT, max_abs_diff
 
 WORKER = REPO_ROOT / "tests" / "ddp_step_worker.py"

@@ -1,5 +1,7 @@
 """Never lose a run: a killed rank, a torchrun restart, a preemption signal, a NaN
-and a rank that raises, each on the real 2-process CPU/gloo job (tiny model).
+and a rank that raises, each on a 2-process CPU/gloo job (tiny model): under torchrun
+where the launcher takes part (restarts, signals to it, its report of a failed rank),
+else as ranks forked from the preloaded trainer (tests/forked_ranks.py).
 
 Exit codes observed (torch 2.x torchrun, gloo, CPU):
   * the trainer, on SIGTERM / SIGINT: saves at the next step, then exits 128+signum
@@ -82,8 +84,9 @@ def runs(tmp_path_factory):
     jobs = {
         "uninterrupted": job(2, [*BASE, *out_args(root / "uninterrupted")], root / "uninterrupted", launcher="forked"),
         "killed": job(2, [*BASE, *out_args(root / "killed")], root / "killed", env=fault("kill"), launcher="forked"),
-        "restarted": job(2, [*BASE, *out_args(root / "restarted"), "--from_resume", "1"], root / "restarted",
-                         env=fault("kill"), launcher_args=["--max-restarts=3"]),
+        # With a DataLoader worker per rank: the restart must take them down with their ranks.
+        "restarted": job(2, [*BASE, *out_args(root / "restarted"), "--from_resume", "1", "--num_workers", "1"],
+                         root / "restarted", env=fault("kill"), launcher_args=["--max-restarts=3"]),
         "nan": job(2, [*TINY, *out_args(root / "nan"), "--max_steps", str(NAN_K + 2), "--save_interval", "1"],
                    root / "nan", env=fault("nan", at=NAN_K), launcher="forked"),
         "nan_forever": job(2, [*TINY, *out_args(root / "nan_forever"), "--max_steps", "50", "--save_interval", "2",

@@ -1,7 +1,6 @@
 """Growing past DDP: a fixed global batch that survives world-size changes, FSDP2
 that trains like DDP, and DCP checkpoints that reload on a different world size."""
 import shutil
-from functools import partial
 
 import pytest
 import torch
@@ -16,9 +15,6 @@ STEPS = 6
 # the 1e-5 tolerance while the weights still move by ~1e-3.
 BASE = [*TINY, "--learning_rate", "5e-4", "--max_steps", str(STEPS), "--save_interval", "3",
         "--global_batch_size", "8"]
-# The ranks are forked from the preloaded trainer: these tests are about the trainer's
-# state across world sizes and DDP/FSDP, not about the launcher (tests/test_launch.py).
-forked_job = partial(job, launcher="forked")
 KILL_AT_3 = {"MINIMIND_FAULT_AT_STEP": "3", "MINIMIND_FAULT_KIND": "kill", "MINIMIND_FAULT_RANK": "0"}
 
 
@@ -33,19 +29,24 @@ def runs(tmp_path_factory):
     uninterrupted ones and the killed ones), then the resumes of the killed ones.
     dcp2to1 resumes a copy of fsdp_killed's folder, which is the same 2-process FSDP
     run killed at the same step. {name: (run_dir, Finished)}, and for an interrupted
-    run also name + "/killed" and the step of its checkpoint after the kill."""
+    run also name + "/killed" and the step of its checkpoint after the kill. The ranks
+    are forked from the preloaded trainer (tests/forked_ranks.py): these tests are about
+    the trainer's state across world sizes and DDP/FSDP, not about the launcher."""
     root = tmp_path_factory.mktemp("scaling")
     ensure_demo_corpus()  # jobs side by side must not race to build it
     first = {
         # The 1-process jobs first: two of them share the two cores best.
-        "single": forked_job(1, [*BASE, *out_args(root / "single")], root / "single"),
-        "ws1to2/killed": forked_job(1, [*BASE, *out_args(root / "ws1to2")], root / "ws1to2", env=KILL_AT_3),
-        "ddp": forked_job(2, [*BASE, *out_args(root / "ddp")], root / "ddp"),
-        "fsdp": forked_job(2, [*BASE, *out_args(root / "fsdp"), "--parallel", "fsdp"], root / "fsdp"),
-        "bad_batch": forked_job(2, [*BASE, *out_args(root / "bad"), "--global_batch_size", "12"], root / "bad"),
-        "ws2to1/killed": forked_job(2, [*BASE, *out_args(root / "ws2to1")], root / "ws2to1", env=KILL_AT_3),
-        "fsdp_killed/killed": forked_job(2, [*BASE, *out_args(root / "fsdp_killed"), "--parallel", "fsdp"],
-                                         root / "fsdp_killed", env=KILL_AT_3),
+        "single": job(1, [*BASE, *out_args(root / "single")], root / "single", launcher="forked"),
+        "ws1to2/killed": job(1, [*BASE, *out_args(root / "ws1to2")], root / "ws1to2", env=KILL_AT_3,
+                             launcher="forked"),
+        "ddp": job(2, [*BASE, *out_args(root / "ddp")], root / "ddp", launcher="forked"),
+        "fsdp": job(2, [*BASE, *out_args(root / "fsdp"), "--parallel", "fsdp"], root / "fsdp", launcher="forked"),
+        "bad_batch": job(2, [*BASE, *out_args(root / "bad"), "--global_batch_size", "12"], root / "bad",
+                         launcher="forked"),
+        "ws2to1/killed": job(2, [*BASE, *out_args(root / "ws2to1")], root / "ws2to1", env=KILL_AT_3,
+                             launcher="forked"),
+        "fsdp_killed/killed": job(2, [*BASE, *out_args(root / "fsdp_killed"), "--parallel", "fsdp"],
+                                  root / "fsdp_killed", env=KILL_AT_3, launcher="forked"),
     }
     done = {name: (first[name][1], result) for name, result in run_all(first, timeout=240).items()}
     shutil.copytree(root / "fsdp_killed", root / "dcp2to1", symlinks=True)
@@ -54,7 +55,8 @@ def runs(tmp_path_factory):
     for name, (killed_nproc, nproc, extra) in INTERRUPTED.items():
         saved = root / name / "ckpt" / f"pretrain_64_resume{_suffix(extra, killed_nproc)}"
         done[f"{name}/step"] = saved.exists() and latest_checkpoint(root / name, suffix=saved.suffix)["global_step"]
-        resumes[name] = forked_job(nproc, [*BASE, *out_args(root / name), *extra, "--from_resume", "1"], root / name)
+        resumes[name] = job(nproc, [*BASE, *out_args(root / name), *extra, "--from_resume", "1"], root / name,
+                            launcher="forked")
     done.update({name: (resumes[name][1], result) for name, result in run_all(resumes, timeout=240).items()})
     return done
 

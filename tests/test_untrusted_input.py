@@ -18,7 +18,8 @@ from model.model_minimind import MiniMindConfig
 from model.weights import WeightsError, load_model, read_checkpoint
 from scripts.convert_model import save_pth
 from scripts.eval_llm import main as eval_main
-from tests.fault_helpers import Forked, assert_clean_exit, error_lines, run_all, worker_tracebacks
+from tests.fault_helpers import assert_clean_exit, error_lines, run_all, worker_tracebacks
+from tests.forked_ranks import Forked
 from tests.launch_utils import FLAGS, REPO_ROOT, TINY, TORCHRUN, TRAIN, ensure_demo_corpus, out_args, train_tiny
 from trainer import preflight
 from trainer.checkpoint import save_checkpoint, verify_checkpoint
@@ -70,7 +71,8 @@ def launched(tmp_path_factory):
     ensure_demo_corpus()
     evil = root / "evil.pth"
     jobs = {
-        "eval_llm": Forked(1, SCRIPTS / "eval_llm.py", ["--weight_path", str(evil), "--prompt", "x", "--device", "cpu"]),
+        "eval_llm": Forked(1, SCRIPTS / "eval_llm.py", ["--weight_path", str(evil), "--prompt", "x",
+                                                        "--device", "cpu"]),
         "train_pretrain": Forked(1, TRAIN, [*TINY, *out_args(root / "train_pretrain"), "--max_steps", "2",
                                             "--from_weight", str(evil)]),
         "convert_model": Forked(1, SCRIPTS / "convert_model.py", ["--weight_path", str(evil),
