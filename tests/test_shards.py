@@ -303,16 +303,16 @@ def test_training_on_shards_resumes_bitwise_as_on_the_concatenated_file(tmp_path
     straight = train_forked(2, [*base, "--data_path", str(tmp_path / "whole.bin"), *out_args(tmp_path / "straight")],
                             tmp_path / "straight")
     assert_clean_exit(straight.returncode, straight.stdout, "straight")
-    on_shards = [*base, "--data_path", str(tmp_path / "shards"), *out_args(tmp_path / "resumed")]
-    killed = train_forked(2, on_shards, tmp_path / "resumed", env={"MINIMIND_FAULT_AT_STEP": "4",
-                                                                    "MINIMIND_FAULT_RANK": "1"})
+    shard_args = [*base, "--data_path", str(tmp_path / "shards"), *out_args(tmp_path / "resumed")]
+    kill_at_4 = {"MINIMIND_FAULT_AT_STEP": "4", "MINIMIND_FAULT_RANK": "1"}
+    killed = train_forked(2, shard_args, tmp_path / "resumed", env=kill_at_4)
     assert killed.returncode != 0 and "[fault injection] rank 1 SIGKILLs itself at step 4" in killed.stdout
-    resumed = train_forked(2, [*on_shards, "--from_resume", "1"], tmp_path / "resumed")
+    resumed = train_forked(2, [*shard_args, "--from_resume", "1"], tmp_path / "resumed")
     assert_clean_exit(resumed.returncode, resumed.stdout, "resumed")
     assert "pretrain_64_resume_step0000003.pth at step 3/6" in resumed.stdout
-    straight, resumed = latest_checkpoint(tmp_path / "straight"), latest_checkpoint(tmp_path / "resumed")
-    assert straight["global_step"] == resumed["global_step"] == 6
-    assert_bitwise_equal(straight["model"], resumed["model"])
+    on_file, on_shards = latest_checkpoint(tmp_path / "straight"), latest_checkpoint(tmp_path / "resumed")
+    assert on_file["global_step"] == on_shards["global_step"] == 6
+    assert_bitwise_equal(on_file["model"], on_shards["model"])
 
 
 def test_shards_of_two_tokenizers_are_refused(tmp_path):

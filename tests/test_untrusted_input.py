@@ -70,7 +70,7 @@ def launched(tmp_path_factory):
     root = tmp_path_factory.mktemp("untrusted")
     ensure_demo_corpus()
     evil = root / "evil.pth"
-    jobs = {
+    commands = {
         "eval_llm": Forked(1, SCRIPTS / "eval_llm.py", ["--weight_path", str(evil), "--prompt", "x",
                                                         "--device", "cpu"]),
         "train_pretrain": Forked(1, TRAIN, [*TINY, *out_args(root / "train_pretrain"), "--max_steps", "2",
@@ -81,7 +81,7 @@ def launched(tmp_path_factory):
                               *TINY, *out_args(root / "torchrun_bad_flag"), "--learning_rate", "nan"],
         "shared_dir": Forked(2, REPO_ROOT / "tests" / "shared_dir_worker.py", [str(root / "shared_dir")]),
     }
-    jobs = {name: (cmd, root / name, None) for name, cmd in jobs.items()}
+    jobs = {name: (cmd, root / name, None) for name, cmd in commands.items()}
     (root / "shared_dir").mkdir()
     (root / "shared_dir" / "a_file").write_text("not a folder")
     # One payload file for all three entry points: any of them that unpickles it leaves the marker.
