@@ -79,8 +79,12 @@ class ForkedJob:
             rank_env = dict(base, **_launcher_env(rank, job.nproc, self.store.port)) if job.nproc > 1 else base
             where = (str(job.script), argv, str(run_dir), rank_env, str(self.log_path))
             self.ranks.append(_CONTEXT.Process(target=_run_rank, name=f"rank{rank}", args=where))
-        for each in self.ranks:
-            each.start()
+        try:
+            for each in self.ranks:
+                each.start()
+        except BaseException:
+            self.kill()  # the ranks already started would wait for their peers forever
+            raise
 
     def poll(self):
         codes = [each.exitcode for each in self.ranks]
@@ -107,10 +111,11 @@ class ForkedJob:
 
     def kill(self):
         """SIGKILL every rank left, with whatever it started (DataLoader workers), and reap them."""
-        for each in self.ranks:
-            if each.exitcode is None and each.pid is not None:
+        started = [each for each in self.ranks if each.pid is not None]
+        for each in started:
+            if each.exitcode is None:
                 kill_tree(each.pid)
-        for each in self.ranks:
+        for each in started:
             each.join()
         self.poll()
 
