@@ -22,6 +22,7 @@ import math
 import shutil
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
@@ -54,7 +55,7 @@ class ExportError(RuntimeError):
 # exports
 
 def export_native(model, out_dir, tokenizer_path=None, dtype=torch.float32, atol=1e-4):
-    """Write a stock transformers Qwen3 / Qwen3-MoE folder; returns the verified max logit diff."""
+    """Write a stock transformers Qwen3 / Qwen3-MoE folder; returns its verification."""
     out_dir = Path(out_dir)
     tokenizer_files = find_tokenizer_files(tokenizer_path)  # fail before writing anything
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -68,7 +69,7 @@ def export_native(model, out_dir, tokenizer_path=None, dtype=torch.float32, atol
 
 
 def export_minimind(model, out_dir, tokenizer_path=None, dtype=torch.float32, atol=1e-4):
-    """Write our own classes + source (auto_map) for trust_remote_code; returns the verified max diff."""
+    """Write our own classes + source (auto_map) for trust_remote_code; returns its verification."""
     out_dir = Path(out_dir)
     tokenizer_files = find_tokenizer_files(tokenizer_path)  # fail before writing anything
     rounded = _rounded_copy(model, dtype)
@@ -111,8 +112,13 @@ def _rounded_copy(model, dtype):
     return copy.eval()
 
 
+class Verified(NamedTuple):
+    loaded_as: str  # the class AutoModelForCausalLM.from_pretrained built from the folder
+    max_logit_diff: float
+
+
 def verify_export(model, out_dir, dtype=torch.float32, atol=1e-4, trust_remote_code=False):
-    """Load `out_dir` with AutoModelForCausalLM in fp32 and compare its logits with ours."""
+    """Load `out_dir` with AutoModelForCausalLM in fp32, as a user would, and compare its logits with ours."""
     reference = _rounded_copy(model, dtype)
     loaded = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32, trust_remote_code=trust_remote_code)
     loaded.eval()
@@ -122,7 +128,7 @@ def verify_export(model, out_dir, dtype=torch.float32, atol=1e-4, trust_remote_c
         diff = (reference(input_ids).logits - loaded(input_ids).logits).abs().max().item()
     if not diff <= atol:
         raise ExportError(f"{out_dir}: logits of the exported model differ from ours by {diff:.3g} > {atol}")
-    return diff
+    return Verified(type(loaded).__name__, diff)
 
 
 def save_pth(state, out_path):
@@ -184,13 +190,15 @@ def export(args):
     model, source = load_model(weight_path, **flags)
     tokenizer_path = None if args.tokenizer_path.lower() == "none" else args.tokenizer_path
     exporter = export_native if args.format == "native" else export_minimind
-    diff = exporter(model, args.out_dir, tokenizer_path, DTYPES[args.dtype], args.atol)
+    verified = exporter(model, args.out_dir, tokenizer_path, DTYPES[args.dtype], args.atol)
     if args.format == "native":
         kind = "transformers Qwen3-MoE" if model.config.use_moe else "transformers Qwen3"
     else:
         kind = "minimind (trust_remote_code)"
     print(f"wrote {args.out_dir} from {source} as {kind}, {args.dtype}")
-    print(f"verified: max logit diff vs our model = {diff:.3g}")
+    remote = ", trust_remote_code=True" if args.format == "minimind" else ""
+    print(f"verified: AutoModelForCausalLM.from_pretrained({str(args.out_dir)!r}{remote}) -> {verified.loaded_as}, "
+          f"max logit diff vs our model = {verified.max_logit_diff:.3g}")
 
 
 @report_user_errors

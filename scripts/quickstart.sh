@@ -8,7 +8,7 @@
 #
 # Stages: 1 demo corpus (stdlib docstrings, built once), 2 train/val split + packing +
 # the unigram baseline, 3 pre-training with torchrun (DDP over 2 CPU processes),
-# 4 validation perplexity, 5 a generated sample, 6 the loss plot, 7 export to a folder
+# 4 validation perplexity and a generated sample, 5 the loss plot, 6 export to a folder
 # that stock transformers loads. The last line is a one-line summary of the run.
 #
 # Every knob is an environment variable (QS_*) so that a test can run this very script
@@ -66,7 +66,7 @@ stage() { printf '\n==== [%s] %s  (t=%ss)\n' "$1" "$2" "$SECONDS"; }
 # value KEY FILE: the value of the first " KEY=value" field in FILE (the scripts print key=value lines)
 value() { grep -oE "(^| )$1=[^ ]*" "$2" | head -n 1 | cut -d= -f2; }
 
-stage 1/7 "demo corpus"
+stage 1/6 "demo corpus"
 if [[ -s "$CORPUS" ]]; then
     echo "using $CORPUS ($(wc -l < "$CORPUS") documents)"
 elif [[ "$CORPUS" == "$DEFAULT_CORPUS" ]]; then
@@ -76,7 +76,7 @@ else
     exit 2
 fi
 
-stage 2/7 "held-out split, packing, unigram baseline"
+stage 2/6 "held-out split, packing, unigram baseline"
 # Split the documents (not the token stream), so no validation document was ever
 # partly trained on; then pack both sides the same way.
 "$PYTHON" scripts/split_corpus.py --data_path "$CORPUS" --every "$VAL_EVERY" \
@@ -88,7 +88,7 @@ TQDM_DISABLE=1 "$PYTHON" scripts/prepare_data.py --data_path "$DATA/val.jsonl" -
     | tee "$LOGS/unigram.txt"
 BASELINE="$(value loss "$LOGS/unigram.txt")"
 
-stage 3/7 "pre-training: $NPROC CPU processes (DDP), hidden $HIDDEN x $LAYERS layers, \
+stage 3/6 "pre-training: $NPROC CPU processes (DDP), hidden $HIDDEN x $LAYERS layers, \
 $STEPS steps of $((BATCH * NPROC)) x $SEQ tokens"
 # A fresh run every time: old resume checkpoints of another budget would only confuse.
 rm -rf "$OUT/checkpoints"
@@ -105,25 +105,20 @@ OMP_NUM_THREADS=1 "$TORCHRUN" "${RDZV[@]}" --nproc_per_node="$NPROC" trainer/tra
 # (--eval_batches 1000: the whole val set at every evaluation, not a slice of it;
 #  --save_interval $STEPS: weights and a resume checkpoint once, at the end.)
 
-stage 4/7 "validation perplexity (held-out documents, one at a time from BOS)"
+stage 4/6 "validation perplexity (held-out documents, one at a time from BOS), then a sample \
+(temperature 0.85, top-p 0.85, seed 42)"
+# One process for both: loading torch and the model costs more than either job here.
 # --max_seq_len $SEQ: score documents at the context length the model was trained on.
-"$PYTHON" scripts/eval_llm.py --weight_path "$PTH" --device cpu \
-    --ppl_data "$DATA/val.jsonl" --max_seq_len "$SEQ" | tee "$LOGS/ppl.txt"
+"$PYTHON" scripts/eval_llm.py --weight_path "$PTH" --device cpu --ppl_data "$DATA/val.jsonl" \
+    --max_seq_len "$SEQ" --prompt "$PROMPT" --max_new_tokens "$MAX_NEW_TOKENS" | tee "$LOGS/eval.txt"
 
-stage 5/7 "sample (temperature 0.85, top-p 0.85, seed 42)"
-"$PYTHON" scripts/eval_llm.py --weight_path "$PTH" --device cpu \
-    --prompt "$PROMPT" --max_new_tokens "$MAX_NEW_TOKENS" | tee "$LOGS/sample.txt"
-
-stage 6/7 "loss plot"
+stage 5/6 "loss plot"
 "$PYTHON" scripts/plot_loss.py --metrics "$METRICS" --out "$PLOT"
 
-stage 7/7 "export to Hugging Face format (stock transformers, no trust_remote_code)"
-"$PYTHON" scripts/convert_model.py --weight_path "$PTH" --format native --out_dir "$HF_DIR"
-# The proof: a plain from_pretrained, as any transformers user would call it.
-"$PYTHON" -c 'import sys; from transformers import AutoModelForCausalLM
-from transformers.utils import logging; logging.disable_progress_bar()
-m = AutoModelForCausalLM.from_pretrained(sys.argv[1])
-print(f"from_pretrained({sys.argv[1]!r}) -> {type(m).__name__}")' "$HF_DIR" | tee "$LOGS/hf_load.txt"
+stage 6/6 "export to Hugging Face format (stock transformers, no trust_remote_code)"
+# The export is loaded back with a plain AutoModelForCausalLM.from_pretrained, as any
+# transformers user would load it, and its logits are compared with ours.
+"$PYTHON" scripts/convert_model.py --weight_path "$PTH" --format native --out_dir "$HF_DIR" | tee "$LOGS/export.txt"
 
 # ---- summary ----------------------------------------------------------------------------
 # The last train and val rows of the metrics file (the trainer always logs and
@@ -134,7 +129,7 @@ train = [r for r in rows if r.get("kind") == "train"][-1]
 val = [r for r in rows if r.get("kind") == "val"][-1]
 print(train["step"], format(train["loss"], ".4f"), format(val["val_loss"], ".4f"), format(val["val_bpb"], ".4f"))' "$METRICS")"
 read -r LAST_STEP TRAIN_LOSS VAL_LOSS VAL_BPB <<< "$FINAL"
-PPL="$(value ppl "$LOGS/ppl.txt")"
+PPL="$(value ppl "$LOGS/eval.txt")"
 BEATS="$(awk -v v="$VAL_LOSS" -v b="$BASELINE" 'BEGIN { print (v < b ? "yes" : "no") }')"
 
 printf '\noutputs:\n'

@@ -27,8 +27,8 @@ def work(tmp_path_factory, tiny_tokenizer_dir):
         # The reference is what the rest of the project would load from that .pth.
         model, _ = load_model(pth, **FLAGS, use_moe=int(use_moe))
         native, minimind = root / f"native_{name}", root / f"minimind_{name}"
-        diffs = (export_native(model, native, tok_dir), export_minimind(model, minimind, tok_dir))
-        runs[name] = dict(pth=pth, model=model, native=native, minimind=minimind, diffs=diffs)
+        checks = (export_native(model, native, tok_dir), export_minimind(model, minimind, tok_dir))
+        runs[name] = dict(pth=pth, model=model, native=native, minimind=minimind, checks=checks)
     return root, tok_dir, runs
 
 
@@ -40,11 +40,12 @@ def probe_ids():
 def test_native_export_loads_in_stock_transformers(work, name):
     _, tok_dir, runs = work
     run = runs[name]
-    assert max(run["diffs"]) <= 1e-4
+    assert max(check.max_logit_diff for check in run["checks"]) <= 1e-4
     config = json.loads((run["native"] / "config.json").read_text())
     assert config["model_type"] == ("qwen3_moe" if name == "moe" else "qwen3") and "auto_map" not in config
     hf = AutoModelForCausalLM.from_pretrained(run["native"], dtype=torch.float32).eval()  # no remote code
     assert type(hf).__name__ == ("Qwen3MoeForCausalLM" if name == "moe" else "Qwen3ForCausalLM")
+    assert run["checks"][0].loaded_as == type(hf).__name__  # the export's own check loaded the same class
     assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
     ids = probe_ids()
     with torch.no_grad():
@@ -98,7 +99,8 @@ def test_minimind_export_loads_with_remote_code_from_anywhere(work, tmp_path):
         run, got = runs[name], results[folder]
         assert got["module"].startswith("transformers_modules.")
         assert got["tied"]
-        assert max(run["diffs"]) <= 1e-4
+        assert max(check.max_logit_diff for check in run["checks"]) <= 1e-4
+        assert run["checks"][1].loaded_as == "MiniMindForCausalLM"
         with torch.no_grad():
             assert (got["logits"] - run["model"](probe_ids()).logits).abs().max() <= 1e-4
         assert torch.equal(got["greedy"], run["model"].generate(probe_ids()[:1, :6], max_new_tokens=12))
@@ -139,7 +141,8 @@ def test_cli_export_and_bad_input(work, tmp_path, capsys):
     root, tok_dir, runs = work
     pth = str(runs["dense"]["pth"])
     main(["--weight_path", pth, *CLI_FLAGS, "--out_dir", str(tmp_path / "cli"), "--tokenizer_path", str(tok_dir)])
-    assert "verified: max logit diff" in capsys.readouterr().out
+    assert f"verified: AutoModelForCausalLM.from_pretrained({str(tmp_path / 'cli')!r}) -> Qwen3ForCausalLM, " \
+           "max logit diff vs our model = " in capsys.readouterr().out
 
     def error_of(*argv):
         with pytest.raises(SystemExit) as exit_info:
