@@ -1,5 +1,6 @@
 """Launch train_pretrain.py the ways users do, on tiny CPU configs, for the tests:
 as processes, or in this process where the process itself is not what a test shows."""
+import fcntl
 import io
 import json
 import os
@@ -199,10 +200,13 @@ def train_in_process(args, run_dir, env=None, timeout: int = 240) -> InProcessRu
 
 def ensure_demo_corpus() -> Path:
     """Build the trainer's default corpus here, once, before launching runs side by side
-    (on a fresh checkout each would otherwise build its own copy)."""
+    (on a fresh checkout each would otherwise build its own copy). The lock keeps pytest-xdist
+    workers from building it at the same time: the others wait and then find it built."""
     from dataset.demo_corpus import DEMO_CORPUS, ensure_demo_corpus as build_if_missing
 
-    return build_if_missing(DEMO_CORPUS)
+    with open("/tmp/minimind-test-demo-corpus.lock", "w") as lock:  # /tmp: shared by every worker
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return build_if_missing(DEMO_CORPUS)
 
 
 def small_corpus(work: Path, documents: int = 300) -> tuple[Path, Path]:
