@@ -11,8 +11,9 @@ cd "$(dirname "$0")/.."
 N=${1:-10}
 shift || true
 # Every test that launches the trainer, torchrun or SLURM is marked slow (tests/fault_helpers.py's
-# assert_clean_exit checks each completed 2-process job for a clean exit).
-DEFAULT_TESTS=(-m slow tests)
+# assert_clean_exit checks each completed 2-process job for a clean exit). Three files side
+# by side, as CI runs them: a flake that only a loaded machine shows counts too.
+DEFAULT_TESTS=(-n 3 -m slow tests)
 if [ $# -gt 0 ]; then TESTS=("$@"); else TESTS=("${DEFAULT_TESTS[@]}"); fi
 PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python )}
 SOAK_DIR=${SOAK_DIR:-$(mktemp -d -t soak.XXXXXX)}
