@@ -193,10 +193,10 @@ def export(args):
     verified = exporter(model, args.out_dir, tokenizer_path, DTYPES[args.dtype], args.atol)
     if args.format == "native":
         kind = "transformers Qwen3-MoE" if model.config.use_moe else "transformers Qwen3"
+        remote = ""
     else:
-        kind = "minimind (trust_remote_code)"
+        kind, remote = "minimind (trust_remote_code)", ", trust_remote_code=True"
     print(f"wrote {args.out_dir} from {source} as {kind}, {args.dtype}")
-    remote = ", trust_remote_code=True" if args.format == "minimind" else ""
     print(f"verified: AutoModelForCausalLM.from_pretrained({str(args.out_dir)!r}{remote}) -> {verified.loaded_as}, "
           f"max logit diff vs our model = {verified.max_logit_diff:.3g}")
 
