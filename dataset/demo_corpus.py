@@ -202,6 +202,11 @@ def build_demo_corpus(out_path=DEMO_CORPUS, modules=None, jobs=2, timeout=DEFAUL
     out_path.parent.mkdir(parents=True, exist_ok=True)
     # Write next to the target and rename, so readers never see half a file.
     fd, tmp_name = tempfile.mkstemp(dir=out_path.parent, prefix=out_path.name + ".", suffix=".tmp")
+    # mkstemp makes the file private (0600); the corpus is data that others sharing the
+    # checkout or the cluster's disk must read, so give it a plain file's mode under the umask.
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f, \
                 ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:

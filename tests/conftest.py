@@ -4,7 +4,16 @@ imports another."""
 import pytest
 
 from tests.fault_helpers import SharedRuns
-from tests.launch_utils import REPO_ROOT, build_tokenizer
+from tests.launch_utils import REPO_ROOT, build_tokenizer, ensure_demo_corpus
+
+
+@pytest.fixture(scope="session", autouse=True)
+def demo_corpus():
+    """The trainer's default corpus, built before the first test of every pytest-xdist worker
+    (under launch_utils' lock, so once). A launched or forked rank that found it missing would
+    build it inside its job, and on a loaded machine that outlasts the tiny runs'
+    --dist_timeout of 60 s: rank 1's barrier then fails the job."""
+    return ensure_demo_corpus()
 
 
 @pytest.fixture(scope="session")

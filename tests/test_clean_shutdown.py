@@ -14,12 +14,11 @@ DDP one is the eager run test_compile compares with (the shared_runs fixture).""
 import pytest
 
 from tests.fault_helpers import THREE_STEPS, assert_clean_exit
-from tests.launch_utils import ensure_demo_corpus, latest_checkpoint
+from tests.launch_utils import latest_checkpoint
 
 
 @pytest.mark.slow
 def test_two_process_ddp_and_fsdp_jobs_exit_cleanly(shared_runs):
-    ensure_demo_corpus()
     runs = shared_runs({"eager_ddp": (2, THREE_STEPS), "eager_fsdp": (2, [*THREE_STEPS, "--parallel", "fsdp"])})
     for name, (_, result) in runs.items():
         assert_clean_exit(result.returncode, result.stdout, name)

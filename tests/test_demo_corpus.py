@@ -1,6 +1,8 @@
 """Smoke tests for dataset/demo_corpus.py and scripts/build_demo_corpus.py on a handful of modules."""
 import io
 import json
+import os
+import stat
 import sys
 from pathlib import Path
 
@@ -48,6 +50,17 @@ def test_cli_with_modules_flag(tmp_path, capsys):
     main(["--modules", "textwrap", "--out", str(out), "--jobs", "1"])
     assert "documents" in capsys.readouterr().out
     assert len(read_texts(out)) > 0
+
+
+def test_corpus_is_readable_by_others_under_the_umask(tmp_path):
+    """The temp file it renames into place starts private (mkstemp's 0600); the corpus must
+    end with the mode any file written under the process's umask gets."""
+    old = os.umask(0o027)
+    try:
+        build_demo_corpus(tmp_path / "d.jsonl", modules=["json"], progress=False)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "d.jsonl").stat().st_mode) == 0o640
 
 
 def test_ensure_demo_corpus_keeps_existing_file(tmp_path):

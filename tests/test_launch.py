@@ -10,7 +10,7 @@ import pytest
 
 from tests.fault_helpers import agreed_port, assert_clean_exit, job, run_all
 from tests.launch_utils import (
-    PYTHON, REPO_ROOT, TINY, TORCHRUN, TRAIN, ensure_demo_corpus, latest_checkpoint, load_checkpoint, out_args,
+    PYTHON, REPO_ROOT, TINY, TORCHRUN, TRAIN, latest_checkpoint, load_checkpoint, out_args,
     read_metrics, run_env, train_cmd,
 )
 
@@ -32,7 +32,6 @@ def launched(tmp_path_factory):
     """torchrun x2 for 30 steps and the legacy launcher x2 for 3, side by side:
     {name: (run_dir, Finished)}."""
     root = tmp_path_factory.mktemp("launch")
-    ensure_demo_corpus()  # the two jobs must not race to build it
     legacy = [*TINY, *out_args(root / "legacy"), "--max_steps", "3"]
     jobs = {"torchrun": job(2, [*TINY, *out_args(root / "torchrun"), "--max_steps", "30"], root / "torchrun"),
             "legacy": (train_cmd(2, legacy, launcher="legacy"), root / "legacy", None)}
@@ -119,7 +118,6 @@ def test_plain_python_from_any_directory(tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     trainer_dir = REPO_ROOT / "trainer"
-    ensure_demo_corpus()  # the two runs below must not race to build it
     before = {name for name in ("out", "checkpoints", "dataset", "model") if (trainer_dir / name).exists()}
     runs = {}
     for name, cwd, script in [("elsewhere", elsewhere, str(TRAIN)), ("trainer", trainer_dir, "train_pretrain.py")]:

@@ -7,7 +7,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.fault_helpers import assert_clean_exit, job, run_all
-from tests.launch_utils import TINY, assert_bitwise_equal, ensure_demo_corpus, latest_checkpoint, max_abs_diff, out_args
+from tests.launch_utils import TINY, assert_bitwise_equal, latest_checkpoint, max_abs_diff, out_args
 
 STEPS = 6
 # lr 5e-4: Adam's first updates are ~lr * sign(g), so float noise in near-zero
@@ -33,7 +33,6 @@ def runs(tmp_path_factory):
     are forked from the preloaded trainer (tests/forked_ranks.py): these tests are about
     the trainer's state across world sizes and DDP/FSDP, not about the launcher."""
     root = tmp_path_factory.mktemp("scaling")
-    ensure_demo_corpus()  # jobs side by side must not race to build it
     first = {
         # The 1-process jobs first: two of them share the two cores best.
         "single": job(1, [*BASE, *out_args(root / "single")], root / "single", launcher="forked"),

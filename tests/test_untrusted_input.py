@@ -20,7 +20,7 @@ from scripts.convert_model import save_pth
 from scripts.eval_llm import main as eval_main
 from tests.fault_helpers import assert_clean_exit, error_lines, run_all, worker_tracebacks
 from tests.forked_ranks import Forked
-from tests.launch_utils import FLAGS, REPO_ROOT, TINY, TORCHRUN, TRAIN, ensure_demo_corpus, out_args, train_tiny
+from tests.launch_utils import FLAGS, REPO_ROOT, TINY, TORCHRUN, TRAIN, out_args, train_tiny
 from trainer import preflight
 from trainer.checkpoint import save_checkpoint, verify_checkpoint
 from trainer.train_pretrain import main as train_main, save_weights
@@ -68,7 +68,6 @@ def launched(tmp_path_factory):
     entry point is a process of its own, forked from the preloaded trainer (tests/forked_ranks.py),
     as is the shared-directory check's pair of ranks; torchrun's own job is a real torchrun."""
     root = tmp_path_factory.mktemp("untrusted")
-    ensure_demo_corpus()
     evil = root / "evil.pth"
     commands = {
         "eval_llm": Forked(1, SCRIPTS / "eval_llm.py", ["--weight_path", str(evil), "--prompt", "x",
