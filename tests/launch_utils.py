@@ -29,12 +29,14 @@ TORCHRUN = [str(_TORCHRUN_BIN)] if _TORCHRUN_BIN.exists() else [PYTHON, "-m", "t
 
 # hidden 64, 2 layers, seq 64: a step takes milliseconds, so process start-up dominates.
 # CPU and gloo everywhere, also on a GPU machine (where rank 1 would pick cuda:1).
-# AdamW, not the default Muon: these tests compare runs across world sizes and DDP/FSDP
-# to float noise, and Muon's bf16 Newton-Schulz turns that noise into ~1% of an update
-# (tests/test_optim.py tests Muon against its own tolerance).
+# AdamW and fp32, not what --optimizer auto and --dtype auto pick on a CPU with native bf16
+# (Muon, bf16 autocast): these tests compare runs across world sizes and DDP/FSDP to float
+# noise, and bf16 rounds sums taken in another order ~1e-3 apart, which Muon's bf16
+# Newton-Schulz turns into ~1% of an update. The tests then mean the same on every CPU;
+# tests/test_optim.py tests Muon, and tests/test_bf16.py bf16 training, on their own terms.
 TINY = ["--hidden_size", "64", "--num_hidden_layers", "2", "--max_seq_len", "64", "--batch_size", "4",
         "--num_workers", "0", "--learning_rate", "2e-3", "--log_interval", "1", "--val_fraction", "0",
-        "--dist_timeout", "60", "--device", "cpu", "--optimizer", "adamw"]
+        "--dist_timeout", "60", "--device", "cpu", "--optimizer", "adamw", "--dtype", "float32"]
 
 
 def run_env(tmp_path, extra=None) -> dict:
@@ -266,6 +268,22 @@ def assert_bitwise_equal(state_a: dict, state_b: dict):
     assert state_a.keys() == state_b.keys()
     differing = [k for k in state_a if not torch.equal(state_a[k], state_b[k])]
     assert not differing, f"tensors differ: {differing[:5]}"
+
+
+def assert_same_state(a, b, where="state"):
+    """Recursive equality; tensors bitwise (torch.equal)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), f"{where} differs"
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), f"{where}: keys differ"
+        for key in a:
+            assert_same_state(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{where}: lengths differ"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_state(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 # ---------------------------------------------------------------------------- tiny models and tokenizers

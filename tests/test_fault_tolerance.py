@@ -25,8 +25,8 @@ import torch
 from tests.fault_helpers import assert_clean_exit, fault_env, job, run_all, worker_tracebacks
 from tests.forked_ranks import train_forked
 from tests.launch_utils import (
-    PYTHON, TINY, TRAIN, assert_bitwise_equal, children, latest_checkpoint, load_checkpoint, out_args, run_env,
-    train_cmd,
+    PYTHON, TINY, TRAIN, assert_bitwise_equal, assert_same_state, children, latest_checkpoint, load_checkpoint,
+    out_args, run_env, train_cmd,
 )
 from trainer.checkpoint import verify_checkpoint
 
@@ -47,22 +47,6 @@ def ckpt_steps(run_dir) -> list[int]:
 
 def ckpt_at(run_dir, step) -> dict:
     return load_checkpoint(Path(run_dir) / "ckpt" / f"pretrain_64_resume_step{step:07d}.pth")
-
-
-def assert_same_state(a, b, where="state"):
-    """Recursive equality; tensors bitwise (torch.equal)."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and torch.equal(a, b), f"{where} differs"
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), f"{where}: keys differ"
-        for key in a:
-            assert_same_state(a[key], b[key], f"{where}[{key!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), f"{where}: lengths differ"
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same_state(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 def all_finite(state: dict) -> bool:
