@@ -2,6 +2,8 @@
 
     python scripts/bench_quality.py                      # MiniMind's shapes: hidden 256, 4 layers, seq 340, batch 8
     python scripts/bench_quality.py --steps 40 --eval_every 10 --hidden_size 64 --num_hidden_layers 2   # a smoke run
+    python scripts/bench_quality.py --variants a_minimind,b_defaults --reuse 1 \
+        --variant "muon_lr_0.04=--muon_lr 0.04" --variant "warmup_30=--warmup_steps 30"   # a sweep around (b)
 
 Trains on the demo corpus with the quick start's held-out split (every 25th document,
 scripts/split_corpus.py), one variant after another, one process with --threads
@@ -12,7 +14,10 @@ share one yardstick. The clock is the trainer's training time (validation exclud
     a_minimind   MiniMind's recipe: padded JSONL, fp32, lr 5e-4, no warmup, AdamW on everything
     b_defaults   this repo's defaults on packed .bin (no optimizer/dtype flags at all)
     c_adamw      packed .bin, AdamW with split groups, lr 3e-3, 10 warmup steps: what Muon adds
-    d_bf16       b_defaults under bf16 autocast: does bf16 cost quality at equal steps?
+    d_bf16       b_defaults under bf16 autocast
+    e_fp32       b_defaults in fp32: beside d_bf16, does bf16 cost quality at equal steps?
+
+Each --variant NAME=FLAGS adds one more: b_defaults with those trainer flags on top.
 
 Reports, for each variant, the training time (and the step) at which its val curve
 first falls to (a)'s final val loss (interpolated between validations) and the ratio
@@ -22,6 +27,7 @@ shows the load each variant met); steps are not.
 """
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -40,12 +46,16 @@ VARIANTS = {
     "b_defaults": ("bin", []),
     "c_adamw": ("bin", ["--optimizer", "adamw", "--learning_rate", "3e-3", "--warmup_steps", "10"]),
     "d_bf16": ("bin", ["--dtype", "bfloat16"]),
+    "e_fp32": ("bin", ["--dtype", "float32"]),
 }
 
 
 def parse_args(argv=None):
     p = OneLineArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {','.join(VARIANTS)}")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                   help="one more variant, run after --variants: b_defaults plus these trainer flags, "
+                        "e.g. 'muon_lr_0.04=--muon_lr 0.04' (repeatable)")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps per variant (the same for all)")
     p.add_argument("--eval_every", type=int, default=25)
     p.add_argument("--threads", type=int, default=2)
@@ -64,7 +74,20 @@ def parse_args(argv=None):
         p.error(f"--variants: unknown {sorted(unknown)}; choose from {','.join(VARIANTS)}")
     if "a_minimind" not in args.variants.split(","):
         p.error("--variants must include a_minimind: it is the reference")
+    for extra in args.variant:
+        name, sep, _ = extra.partition("=")
+        if not sep or not name or name in VARIANTS or "/" in name:
+            p.error(f"--variant {extra!r}: give NAME=FLAGS with a new NAME, e.g. 'muon_lr_0.04=--muon_lr 0.04'")
     return args
+
+
+def variant_table(args) -> dict:
+    """{name: (data kind, trainer flags)} of the variants to run, in order."""
+    table = {name: VARIANTS[name] for name in args.variants.split(",")}
+    for extra in args.variant:
+        name, _, flags = extra.partition("=")
+        table[name] = ("bin", [*VARIANTS["b_defaults"][1], *shlex.split(flags)])
+    return table
 
 
 def prepare_data(corpus: Path, data: Path) -> Path:
@@ -88,8 +111,7 @@ def read_val(metrics: Path) -> list[dict]:
     return [r for r in rows if r["kind"] == "val"]
 
 
-def train(name, args, data: Path, out: Path) -> list[dict]:
-    kind, flags = VARIANTS[name]
+def train(name, kind, flags, args, data: Path, out: Path) -> list[dict]:
     run_dir = out / name
     metrics = run_dir / f"{run_prefix('bench', args.hidden_size, False)}_metrics.jsonl"
     if args.reuse and metrics.exists() and (val := read_val(metrics)):
@@ -180,7 +202,7 @@ def main(argv=None):
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     data = prepare_data(Path(args.corpus), out / "data")
-    curves = {name: train(name, args, data, out) for name in args.variants.split(",")}
+    curves = {name: train(name, kind, flags, args, data, out) for name, (kind, flags) in variant_table(args).items()}
     lines = report(curves, args)
     print("\n".join(lines))
     (out / "results.md").write_text("\n".join(lines) + "\n")

@@ -1,0 +1,39 @@
+"""scripts/bench_quality.py's variants and its report, on hand-made validation curves
+(the benchmark's training runs are not tests)."""
+import pytest
+
+from scripts.bench_quality import at_time, first_reach, parse_args, variant_table
+
+
+def test_a_variant_flag_is_b_defaults_plus_its_flags_in_order():
+    args = parse_args(["--variants", "a_minimind,c_adamw", "--variant", "muon_x2=--muon_lr 0.04 --warmup_steps 30",
+                       "--variant", "plain=--seed 3"])
+    table = variant_table(args)
+    assert list(table) == ["a_minimind", "c_adamw", "muon_x2", "plain"]
+    assert table["muon_x2"] == ("bin", ["--muon_lr", "0.04", "--warmup_steps", "30"])
+    assert table["a_minimind"][0] == "jsonl"
+
+
+@pytest.mark.parametrize("bad", ["no_equals", "=--seed 1", "b_defaults=--seed 1", "a/b=--seed 1"])
+def test_a_malformed_variant_is_one_line_naming_it(bad, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--variant", bad])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert repr(bad) in err and "Traceback" not in err and len(err.splitlines()) == 1, err
+
+
+CURVE = [{"step": 10, "train_s": 5.0, "val_loss": 6.0, "val_bpb": 2.0},
+         {"step": 20, "train_s": 10.0, "val_loss": 5.0, "val_bpb": 1.8}]
+
+
+def test_time_to_a_loss_is_interpolated_between_validations():
+    assert first_reach(CURVE, 5.5, "train_s") == pytest.approx(7.5)
+    assert first_reach(CURVE, 5.5, "step") == pytest.approx(15)
+    assert first_reach(CURVE, 6.5, "step") == 10  # reached by the first validation
+    assert first_reach(CURVE, 4.0, "step") is None
+
+
+def test_bits_per_byte_at_a_time_past_the_run_is_its_last_value():
+    assert at_time(CURVE, 7.5, "val_bpb") == pytest.approx(1.9)
+    assert at_time(CURVE, 100.0, "val_bpb") == 1.8
