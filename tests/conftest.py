@@ -1,6 +1,6 @@
-"""Fixtures shared by the test modules, and the order the files run in. Shared plain functions (launching the trainer,
-tiny models) live in tests/launch_utils.py, which the modules import; no test module
-imports another."""
+"""Fixtures shared by the test modules, and the order the files run in. Shared plain
+functions (launching the trainer, tiny models) live in tests/launch_utils.py, which the
+modules import; no test module imports another."""
 import pytest
 
 from tests.fault_helpers import SharedRuns
