@@ -1,8 +1,8 @@
 """Training under bf16 autocast on a CPU, end to end in the trainer: what --dtype auto picks
 where the CPU has amx_bf16 or avx512_bf16 (tests/test_optim.py tests that choice). Every
 other trainer test pins --dtype float32 (tests/launch_utils.py's TINY says why), so these
-runs are the suite's bf16 training. A CPU without native bf16 emulates the same ops: slower,
-with the same results.
+runs are the suite's bf16 training. A CPU without native bf16 runs them too, emulating bf16
+(slower).
 
 In-process runs (tests/launch_utils.run_in_process) on the first documents of the demo corpus.
 """
@@ -26,7 +26,7 @@ def args_for(run_dir, corpus, dtype, *extra) -> list:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """{name: (run_dir, InProcessRun)}: bf16 and fp32 uninterrupted, and a bf16 run that
-    raises before step 6 (its last checkpoint is step 4), then resumes."""
+    raises before step SAVE + 2 (its last checkpoint is at SAVE), then resumes."""
     work = tmp_path_factory.mktemp("bf16")
     corpus, _ = small_corpus(work)
     done = {}
