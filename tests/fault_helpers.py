@@ -175,13 +175,21 @@ def tree_digest(root) -> dict:
     return digest
 
 
+# The elastic agent's own log records start "E1201 20:48:28.419000 29741 torch/distributed/
+# elastic/agent/server/api.py:1008] ...". An agent logs (and survives, rc 0) an exception in
+# its exit barrier when the agent hosting the rendezvous store exits first: a race inside
+# torch seen under load after both nodes had finished, not a failure of the trainer's.
+AGENT_LOG_RECORD = re.compile(r"^[EWI]\d{4} [\d:.]+ \d+ \S*torch/distributed/elastic/\S+\] ")
+
+
 def worker_tracebacks(output: str) -> list[str]:
-    """Python tracebacks in a job's output, except torchrun's own ChildFailedError report
-    (which torchrun prints whenever any worker exits non-zero)."""
+    """Python tracebacks in a job's output, except the launcher's: torchrun's ChildFailedError
+    report (which torchrun prints whenever any worker exits non-zero) and the exceptions an
+    elastic agent logs about itself (AGENT_LOG_RECORD)."""
     lines = output.splitlines()
     found = []
     for i, line in enumerate(lines):
-        if "Traceback (most recent call last)" in line:
+        if "Traceback (most recent call last)" in line and not AGENT_LOG_RECORD.match(line):
             frame = lines[i + 1] if i + 1 < len(lines) else ""
             if not ("bin/torchrun" in frame or "torch/distributed/run.py" in frame):
                 found.append("\n".join(lines[i:i + 8]))

@@ -1,7 +1,8 @@
 """The fault plan (trainer/resilience.py): the MINIMIND_FAULT_* environment, read once at
 start-up, decides which rank misbehaves at which step, and a restarted group runs clean.
 And DataLoader workers: the longest temp folder they can work in, and a worker that
-stops delivering ends the rank instead of hanging it."""
+stops delivering ends the rank instead of hanging it. And what the launched tests count
+as a worker's traceback."""
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import torch
 from torch.utils.data import Dataset, SequentialSampler
 
 from common.errors import UserError
-from tests.fault_helpers import fault_env as fault
+from tests.fault_helpers import fault_env as fault, worker_tracebacks
 from trainer.data import make_train_loader
 from trainer.preflight import MAX_WORKER_TMPDIR, check_worker_tmpdir
 from trainer.resilience import FaultPlan
@@ -74,3 +75,20 @@ def test_the_longest_temp_folder_allowed_is_the_longest_that_works(monkeypatch, 
             with pytest.raises(UserError, match=f"is {MAX_WORKER_TMPDIR + 1} bytes long"):
                 check_worker_tmpdir(num_workers=1)
         check_worker_tmpdir(num_workers=0)  # no workers, no sockets: any length is fine
+
+
+WORKER_TRACEBACK = """Traceback (most recent call last):
+  File "/repo/trainer/train_pretrain.py", line 10, in <module>
+RuntimeError: boom"""
+# What an elastic agent logged, and survived with rc 0, when the agent hosting the store left first.
+AGENT_EXIT_BARRIER = """E1201 20:48:28.419000 29741 torch/distributed/elastic/agent/server/api.py:1008] Error waiting on exit barrier. Elapsed: 0.01 seconds
+E1201 20:48:28.419000 29741 torch/distributed/elastic/agent/server/api.py:1008] Traceback (most recent call last):
+E1201 20:48:28.419000 29741 torch/distributed/elastic/agent/server/api.py:1008]   File "/venv/torch/distributed/elastic/agent/server/api.py", line 994, in _exit_barrier"""
+CHILD_FAILED_REPORT = """Traceback (most recent call last):
+  File "/venv/bin/torchrun", line 8, in <module>"""
+
+
+def test_a_worker_traceback_is_found_but_not_the_launchers_own():
+    assert worker_tracebacks(f"step 1\n{WORKER_TRACEBACK}\n")[0].startswith("Traceback")
+    assert worker_tracebacks(f"{AGENT_EXIT_BARRIER}\n{CHILD_FAILED_REPORT}\n") == []
+    assert len(worker_tracebacks(f"{AGENT_EXIT_BARRIER}\n{WORKER_TRACEBACK}\n")) == 1
