@@ -7,7 +7,7 @@ fused AdamW) at two model sizes, side by side in one process.
 The dtypes alternate within each shape (fp32, bf16, fp32, bf16, ...) so a machine
 shared with other work slows both alike; the table gives the median step time of each
 and the ratio. `--dtype auto` turns bf16 on for a CPU only where it has amx_bf16 or
-avx512_bf16 (trainer/optim.py); the table says whether this one does.
+avx512_bf16 (trainer/settings.py); the table says whether this one does.
 """
 import statistics
 import sys
@@ -21,7 +21,8 @@ import torch  # noqa: E402
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
 from trainer.cli import OneLineArgumentParser  # noqa: E402
-from trainer.optim import NATIVE_BF16_CPU_FLAGS, OptimConfig, build_optimizer, read_cpu_flags  # noqa: E402
+from trainer.device import native_bf16_cpu_flags, read_cpu_flags  # noqa: E402
+from trainer.optim import OptimConfig, build_optimizer  # noqa: E402
 
 
 def step_timer(hidden, layers, dtype, seq, batch):
@@ -53,7 +54,7 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=8)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    native = sorted(NATIVE_BF16_CPU_FLAGS & read_cpu_flags())
+    native = native_bf16_cpu_flags(read_cpu_flags())
     print(f"CPU native bf16: {'/'.join(native) or 'no (no amx_bf16/avx512_bf16)'}; torch capability "
           f"{torch.backends.cpu.get_cpu_capability()}; {args.threads} threads; seq {args.seq} batch {args.batch}")
     print("| shape | fp32 s/step | bf16 s/step | bf16 speed-up |\n|---|---|---|---|")

@@ -29,14 +29,13 @@ TORCHRUN = [str(_TORCHRUN_BIN)] if _TORCHRUN_BIN.exists() else [PYTHON, "-m", "t
 
 # hidden 64, 2 layers, seq 64: a step takes milliseconds, so process start-up dominates.
 # CPU and gloo everywhere, also on a GPU machine (where rank 1 would pick cuda:1).
-# AdamW and fp32, not what --optimizer auto and --dtype auto pick on a CPU with native bf16
-# (Muon, bf16 autocast): these tests compare runs across world sizes and DDP/FSDP to float
-# noise, and bf16 rounds sums taken in another order ~1e-3 apart, which Muon's bf16
-# Newton-Schulz turns into ~1% of an update. The tests then mean the same on every CPU;
-# tests/test_optim.py tests Muon, and tests/test_bf16.py bf16 training, on their own terms.
+# fp32, not what --dtype auto picks on a CPU with native bf16: these tests compare runs across
+# world sizes and DDP/FSDP to float noise, and bf16 rounds sums taken in another order ~1e-3
+# apart. The tests then mean the same on every CPU; tests/test_bf16.py tests bf16 training on
+# its own terms. The optimizer is the default's, Muon (fp32 Newton-Schulz in an fp32 run).
 TINY = ["--hidden_size", "64", "--num_hidden_layers", "2", "--max_seq_len", "64", "--batch_size", "4",
         "--num_workers", "0", "--learning_rate", "2e-3", "--log_interval", "1", "--val_fraction", "0",
-        "--dist_timeout", "60", "--device", "cpu", "--optimizer", "adamw", "--dtype", "float32"]
+        "--dist_timeout", "60", "--device", "cpu", "--dtype", "float32"]
 
 
 def run_env(tmp_path, extra=None) -> dict:

@@ -9,13 +9,14 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from tests.fault_helpers import assert_clean_exit, job, run_all
 from tests.launch_utils import TINY, assert_bitwise_equal, latest_checkpoint, max_abs_diff, out_args
 
-STEPS = 6
-# lr 5e-4: Adam's first updates are ~lr * sign(g), so float noise in near-zero
-# gradients (another summation order) shows up scaled by lr; 5e-4 keeps that below
-# the 1e-5 tolerance while the weights still move by ~1e-3.
-BASE = [*TINY, "--learning_rate", "5e-4", "--max_steps", str(STEPS), "--save_interval", "3",
+# 20 steps with the default optimizer (Muon on the blocks, AdamW on the rest), killed at
+# step 13 and resumed from the step-10 checkpoint. AdamW's lr 5e-4: Adam's first updates are
+# ~lr * sign(g), so float noise in near-zero gradients (another summation order) shows up
+# scaled by lr; 5e-4 keeps that below the 1e-5 tolerance while the weights still move by ~1e-3.
+STEPS, SAVE, KILL = 20, 10, 13
+BASE = [*TINY, "--learning_rate", "5e-4", "--max_steps", str(STEPS), "--save_interval", str(SAVE),
         "--global_batch_size", "8"]
-KILL_AT_3 = {"MINIMIND_FAULT_AT_STEP": "3", "MINIMIND_FAULT_KIND": "kill", "MINIMIND_FAULT_RANK": "0"}
+KILLED = {"MINIMIND_FAULT_AT_STEP": str(KILL), "MINIMIND_FAULT_KIND": "kill", "MINIMIND_FAULT_RANK": "0"}
 
 
 # name: (processes of the killed run, processes of its resume, extra flags)
@@ -36,16 +37,16 @@ def runs(tmp_path_factory):
     first = {
         # The 1-process jobs first: two of them share the two cores best.
         "single": job(1, [*BASE, *out_args(root / "single")], root / "single", launcher="forked"),
-        "ws1to2/killed": job(1, [*BASE, *out_args(root / "ws1to2")], root / "ws1to2", env=KILL_AT_3,
+        "ws1to2/killed": job(1, [*BASE, *out_args(root / "ws1to2")], root / "ws1to2", env=KILLED,
                              launcher="forked"),
         "ddp": job(2, [*BASE, *out_args(root / "ddp")], root / "ddp", launcher="forked"),
         "fsdp": job(2, [*BASE, *out_args(root / "fsdp"), "--parallel", "fsdp"], root / "fsdp", launcher="forked"),
         "bad_batch": job(2, [*BASE, *out_args(root / "bad"), "--global_batch_size", "12"], root / "bad",
                          launcher="forked"),
-        "ws2to1/killed": job(2, [*BASE, *out_args(root / "ws2to1")], root / "ws2to1", env=KILL_AT_3,
+        "ws2to1/killed": job(2, [*BASE, *out_args(root / "ws2to1")], root / "ws2to1", env=KILLED,
                              launcher="forked"),
         "fsdp_killed/killed": job(2, [*BASE, *out_args(root / "fsdp_killed"), "--parallel", "fsdp"],
-                                  root / "fsdp_killed", env=KILL_AT_3, launcher="forked"),
+                                  root / "fsdp_killed", env=KILLED, launcher="forked"),
     }
     done = {name: (first[name][1], result) for name, result in run_all(first, timeout=240).items()}
     shutil.copytree(root / "fsdp_killed", root / "dcp2to1", symlinks=True)
@@ -68,7 +69,7 @@ def _ok(runs, name):
 
 def _interrupted_then_resumed(runs, name):
     assert runs[f"{name}/killed"][1].returncode != 0, "the injected kill did not stop the run"
-    assert runs[f"{name}/step"] == 3
+    assert runs[f"{name}/step"] == SAVE
     return _ok(runs, name)
 
 
@@ -98,7 +99,7 @@ def test_global_batch_not_divisible_is_a_clear_error(runs):
 @pytest.mark.parametrize("first, then", [(2, 1), (1, 2)])
 def test_resume_on_another_world_size_continues_exactly(uninterrupted, runs, first, then):
     run_dir, resumed = _interrupted_then_resumed(runs, f"ws{first}to{then}")
-    assert "resumed from" in resumed.stdout and "at step 3/6" in resumed.stdout
+    assert "resumed from" in resumed.stdout and f"at step {SAVE}/{STEPS}" in resumed.stdout
     final = latest_checkpoint(run_dir)
     assert final["global_step"] == STEPS and final["world_size"] == then
     assert max_abs_diff(final["model"], uninterrupted) <= 1e-5
@@ -112,7 +113,7 @@ def ddp_run(runs):
 @pytest.mark.slow
 def test_fsdp_matches_ddp_step_for_step(ddp_run, runs, tmp_path):
     fsdp_dir = _ok(runs, "fsdp")[0]
-    assert (fsdp_dir / "ckpt" / "pretrain_64_resume_step0000006.dcp").is_dir()
+    assert (fsdp_dir / "ckpt" / f"pretrain_64_resume_step{STEPS:07d}.dcp").is_dir()
     fsdp = _full_weights_of_dcp(tmp_path, fsdp_dir)
     assert max_abs_diff(fsdp, ddp_run) <= 1e-5
     # MiniMind-format weights are gathered on rank 0 and hold every tensor.
@@ -139,7 +140,7 @@ def test_fsdp_killed_and_resumed_matches_uninterrupted_fsdp(runs, tmp_path):
 @pytest.mark.slow
 def test_two_process_dcp_checkpoint_resumes_on_one_process(uninterrupted, runs):
     run_dir, resumed = _interrupted_then_resumed(runs, "dcp2to1")
-    assert "pretrain_64_resume_step0000003.dcp at step 3/6" in resumed.stdout
+    assert f"pretrain_64_resume_step{SAVE:07d}.dcp at step {SAVE}/{STEPS}" in resumed.stdout
     final = latest_checkpoint(run_dir)
     assert final["global_step"] == STEPS and final["world_size"] == 1
     assert max_abs_diff(final["model"], uninterrupted) <= 1e-5

@@ -38,8 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--learning_rate", type=float, default=3e-3, help="AdamW peak lr (MiniMind: 5e-4)")
     opt.add_argument("--warmup_steps", type=int, default=10, help="linear warmup, then cosine to 10%% (MiniMind: 0)")
     opt.add_argument("--optimizer", default="auto", choices=["auto", "adamw", "muon"],
-                     help="muon: torch.optim.Muon on the blocks' 2-D weights, AdamW on the rest; "
-                          "auto: muon where bf16 is native (CUDA, AMX/AVX512-BF16 CPUs), else adamw")
+                     help="muon: Muon (trainer/muon.py) on the blocks' 2-D weights, AdamW on the rest; "
+                          "auto: muon, except fp16 runs and bf16 runs on CPUs without native bf16 (adamw)")
     opt.add_argument("--muon_lr", type=float, default=0.02, help="Muon's peak lr (its own schedule follows the same shape)")
     opt.add_argument("--muon_momentum", type=float, default=0.95)
     opt.add_argument("--param_groups", default="split", choices=["split", "single"],

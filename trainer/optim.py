@@ -1,11 +1,11 @@
-"""The optimizer side of training: the autocast dtype, parameter groups, AdamW or
-Muon + AdamW, and the per-group learning-rate schedule.
+"""The optimizer side of training: parameter groups, AdamW or Muon + AdamW, and the
+per-group learning-rate schedule.
 
 Groups (each carries a "name"; its peak lr comes from peak_lrs):
     decay      2-D AdamW weights (embedding = tied output head; with AdamW alone, every matrix)
     no_decay   norms and other 1-D parameters: AdamW without weight decay (nanoGPT's rule);
                decaying a norm's gain towards 0 only fights the weights that follow it
-    muon       with --optimizer muon, the 2-D matrices inside the transformer blocks
+    muon       with --optimizer muon, the 2-D matrices inside the transformer blocks (trainer/muon.py)
     all        --param_groups single: MiniMind's recipe, AdamW on everything with one decay
 """
 import math
@@ -14,86 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from common.errors import UserError
-
-# Either flag means the CPU runs bf16 matmuls natively (AMX tiles or AVX-512 BF16 dot products).
-NATIVE_BF16_CPU_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
-
-
-# ---------------------------------------------------------------------------- dtype
-def read_cpu_flags(path: str = "/proc/cpuinfo") -> frozenset:
-    """The CPU's feature flags (Linux); empty where there is no /proc/cpuinfo."""
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def cuda_has_native_bf16(device: str) -> bool:
-    """Ampere (capability 8.0) or newer; emulated bf16 on older GPUs is slower than fp16."""
-    index = torch.device(device).index or 0
-    return (torch.cuda.get_device_capability(index) >= (8, 0)
-            and torch.cuda.is_bf16_supported(including_emulation=False))
-
-
-def resolve_dtype(flag: str, device: str, cpu_flags=frozenset(), cuda_bf16: bool = True,
-                  sharded: bool = False) -> tuple[str, str]:
-    """(dtype name, why) for --dtype `flag` on `device`; the hardware facts come in as arguments.
-
-    auto: bf16 on CUDA, fp16 (with a GradScaler) on GPUs without native bf16 -- but fp32
-    under FSDP, which has no sharded GradScaler here; on CPU bf16 autocast only where the
-    CPU has native bf16, since emulated bf16 is slower than fp32.
-    """
-    if flag != "auto":
-        return flag, "--dtype"
-    if device.startswith("cuda"):
-        if cuda_bf16:
-            return "bfloat16", "auto: the GPU has native bf16"
-        if sharded:
-            return "float32", "auto: the GPU lacks native bf16 and FSDP has no fp16 GradScaler here"
-        return "float16", "auto: the GPU lacks native bf16 (fp16 with a GradScaler)"
-    native = sorted(NATIVE_BF16_CPU_FLAGS & set(cpu_flags))
-    if native:
-        return "bfloat16", f"auto: the CPU has {'/'.join(native)}"
-    return "float32", "auto: the CPU lacks amx_bf16/avx512_bf16, where bf16 autocast is slower than fp32"
-
-
-def detect_dtype(flag: str, device: str, sharded: bool = False) -> tuple[str, str]:
-    """resolve_dtype with this machine's facts."""
-    on_cuda = device.startswith("cuda")
-    return resolve_dtype(flag, device, cpu_flags=frozenset() if on_cuda else read_cpu_flags(),
-                         cuda_bf16=cuda_has_native_bf16(device) if on_cuda else False, sharded=sharded)
-
-
-def resolve_optimizer(flag: str, device: str, cpu_flags=frozenset(), cuda_bf16: bool = True,
-                      param_groups: str = "split", has_muon: bool = True) -> tuple[str, str]:
-    """(optimizer name, why) for --optimizer `flag`; the hardware facts come in as arguments.
-
-    auto: Muon where bf16 matmuls are native (torch.optim.Muon orthogonalises its updates
-    in bf16), AdamW elsewhere. On a CPU without native bf16 a Muon step measured about 6x
-    an AdamW step (hidden 128, 4 layers, seq 256, batch 4) for a slightly lower loss.
-    """
-    if flag != "auto":
-        return flag, "--optimizer"
-    if param_groups == "single":
-        return "adamw", "auto: --param_groups single is AdamW on everything"
-    if not has_muon:
-        return "adamw", f"auto: torch {torch.__version__} has no torch.optim.Muon"
-    native = cuda_bf16 if device.startswith("cuda") else bool(NATIVE_BF16_CPU_FLAGS & set(cpu_flags))
-    if native:
-        return "muon", "auto: native bf16 for Muon's orthogonalisation"
-    return "adamw", "auto: no native bf16 here, where Muon's bf16 orthogonalisation is slow"
-
-
-def detect_optimizer(flag: str, device: str, param_groups: str = "split") -> tuple[str, str]:
-    """resolve_optimizer with this machine's facts."""
-    on_cuda = device.startswith("cuda")
-    return resolve_optimizer(flag, device, cpu_flags=frozenset() if on_cuda else read_cpu_flags(),
-                             cuda_bf16=cuda_has_native_bf16(device) if on_cuda else False,
-                             param_groups=param_groups, has_muon=hasattr(torch.optim, "Muon"))
+from trainer.muon import Muon
 
 
 # ---------------------------------------------------------------------------- optimizers
@@ -106,22 +27,23 @@ class OptimConfig:
     betas: tuple = (0.9, 0.95)
     muon_lr: float = 0.02
     muon_momentum: float = 0.95
+    ns_dtype: str = "float32"       # Muon's Newton-Schulz: the run's precision (bfloat16 under bf16 autocast)
+    compile_ns: bool = False        # compile Muon's Newton-Schulz (CUDA)
     fused: bool = True              # fused AdamW (CPU and CUDA); off for the exact-reference tests
 
     @classmethod
-    def from_args(cls, args, optimizer: str) -> "OptimConfig":
-        """`optimizer`: --optimizer as resolved for this machine (never auto)."""
-        return cls(optimizer=optimizer, param_groups=args.param_groups, lr=args.learning_rate,
-                   weight_decay=args.weight_decay, muon_lr=args.muon_lr, muon_momentum=args.muon_momentum)
+    def from_args(cls, args, settings) -> "OptimConfig":
+        """`settings`: the run's RunSettings (--optimizer and --dtype as resolved, never auto)."""
+        return cls(optimizer=settings.optimizer, param_groups=args.param_groups, lr=args.learning_rate,
+                   weight_decay=args.weight_decay, muon_lr=args.muon_lr, muon_momentum=args.muon_momentum,
+                   ns_dtype="bfloat16" if settings.dtype == "bfloat16" else "float32",
+                   compile_ns=settings.device_type == "cuda")
 
 
 def check_optim_args(args):
     if args.optimizer == "muon" and args.param_groups == "single":
         raise UserError("--param_groups single is MiniMind's AdamW-on-everything recipe; "
                         "with --optimizer muon drop it (or pass --optimizer adamw)")
-    if args.optimizer == "muon" and not hasattr(torch.optim, "Muon"):
-        raise UserError(f"--optimizer muon needs torch.optim.Muon (torch >= 2.9; this is {torch.__version__}): "
-                        f"upgrade torch or pass --optimizer adamw")
 
 
 def is_block_matrix(name: str, param) -> bool:
@@ -188,16 +110,18 @@ class Optimizers:
             opt.load_state_dict(state)
 
 
-def build_optimizer(model, cfg: OptimConfig) -> Optimizers:
-    """AdamW over the AdamW groups, plus torch.optim.Muon over the block matrices."""
+def build_optimizer(model, cfg: OptimConfig, data_parallel_group=None) -> Optimizers:
+    """AdamW over the AdamW groups, plus Muon over the block matrices. `data_parallel_group`:
+    the DDP ranks, which share Muon's Newton-Schulz work (FSDP's sharded parameters carry their own)."""
     groups = param_groups(model, cfg)
     adamw_groups = [g for g in groups if g["name"] != "muon"]
     muon_groups = [g for g in groups if g["name"] == "muon"]
     # Fused AdamW runs on CPU and CUDA tensors alike (torch >= 2.4); one kernel per step.
     optimizers = [torch.optim.AdamW(adamw_groups, lr=cfg.lr, betas=cfg.betas, fused=cfg.fused)]
     if muon_groups:
-        optimizers.append(torch.optim.Muon(muon_groups, lr=cfg.muon_lr, momentum=cfg.muon_momentum,
-                                           weight_decay=cfg.weight_decay))
+        optimizers.append(Muon(muon_groups, lr=cfg.muon_lr, momentum=cfg.muon_momentum, weight_decay=cfg.weight_decay,
+                               ns_dtype=getattr(torch, cfg.ns_dtype), process_group=data_parallel_group,
+                               compile_ns=cfg.compile_ns))
     return Optimizers(optimizers)
 
 

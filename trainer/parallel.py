@@ -16,17 +16,27 @@ def wrap_model(model, env, parallel: str = "ddp", dtype: str = "float32", use_co
     MiniMindForCausalLM; FSDP shards it in place (its parameters become DTensors).
     `dtype`: the run's resolved autocast dtype (never "auto")."""
     model.model.gradient_checkpointing = grad_checkpointing
-    if not env.distributed:
-        return torch.compile(model) if use_compile else model
-    if parallel == "fsdp":
+    if parallel == "fsdp" and env.distributed:
         return shard_model(model, env, dtype, use_compile)
-    # device_ids only on CUDA: with gloo on CPU there is no device to pin.
+    if replica_group(env, parallel) is None:
+        # One replica has nothing to all-reduce: DDP would only add its hooks and bucket copies.
+        return torch.compile(model) if use_compile else model
+    # device_ids only on CUDA: with gloo on CPU there is no device to pin. Gradients live in
+    # DDP's all-reduce buckets (views), so no copy into and out of the buckets each step.
     device_ids = [env.local_rank] if env.device.startswith("cuda") else None
-    net = DistributedDataParallel(model, device_ids=device_ids, **no_buffer_sync())
+    net = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True, **no_buffer_sync())
     # Compiled after wrapping, dynamo's DDP optimizer cuts the graph at DDP's bucket
     # boundaries, so each bucket's all-reduce overlaps the rest of the backward; a model
     # compiled first would run its whole backward as one node, and all-reduce only after it.
     return torch.compile(net) if use_compile else net
+
+
+def replica_group(env, parallel: str):
+    """The process group of DDP's replicas, which hold the same averaged gradients (and so can
+    share Muon's work); None for one process, one rank, or FSDP."""
+    if parallel == "fsdp" or not env.distributed or env.world_size == 1:
+        return None
+    return dist.group.WORLD
 
 
 def no_buffer_sync(ddp_class=DistributedDataParallel) -> dict:

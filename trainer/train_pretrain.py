@@ -38,7 +38,7 @@ from trainer.distributed import (  # noqa: E402
 )
 from trainer.metrics import RunLogger, Throughput, TrainRow, device_peak_flops, flops_per_token  # noqa: E402
 from trainer.optim import OptimConfig, build_optimizer, describe, peak_lrs, set_lr  # noqa: E402
-from trainer.parallel import full_state_dict, local_state_mib, weights_finite, wrap_model  # noqa: E402
+from trainer.parallel import full_state_dict, local_state_mib, replica_group, weights_finite, wrap_model  # noqa: E402
 from trainer.preflight import check_device, check_output_dirs, check_worker_tmpdir  # noqa: E402
 from trainer.resilience import FaultPlan, PreemptionFlag  # noqa: E402
 from trainer.save_schedule import SaveSchedule  # noqa: E402
@@ -167,8 +167,9 @@ def build_parts(args, env, config, settings: RunSettings) -> TrainParts:
     setup_seed(args.seed + env.rank)
     # FSDP shards `model` in place, so the optimizer comes after.
     net = wrap_model(model, env, args.parallel, settings.dtype, bool(args.use_compile), bool(args.grad_checkpointing))
-    optim_config = OptimConfig.from_args(args, settings.optimizer)
-    optimizer, peaks = build_optimizer(model, optim_config), peak_lrs(optim_config)
+    optim_config = OptimConfig.from_args(args, settings)
+    optimizer = build_optimizer(model, optim_config, replica_group(env, args.parallel))
+    peaks = peak_lrs(optim_config)
     Logger(describe(optimizer, peaks))
     scaler = torch.amp.GradScaler(settings.device_type, enabled=settings.dtype == "float16")
     return TrainParts(model, net, optimizer, peaks, scaler)

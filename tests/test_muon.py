@@ -1,0 +1,223 @@
+"""trainer/muon.py: torch.optim.Muon's update, batched by shape, split across ranks (DDP
+and FSDP2), in the run's precision, compiled without recompiles, and resumable bitwise
+(also from a checkpoint torch.optim.Muon wrote)."""
+import runpy
+import sys
+
+import pytest
+import torch
+from torch.optim._muon import _zeropower_via_newtonschulz as torch_newton_schulz
+
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+from tests.fault_helpers import assert_clean_exit
+from tests.forked_ranks import train_forked
+from tests.launch_utils import (
+    REPO_ROOT, TINY, assert_bitwise_equal, assert_same_state, latest_checkpoint, out_args, run_in_process,
+    train_in_process,
+)
+from trainer.muon import NS_COEFFICIENTS, Muon, newton_schulz, shard_rows, stacks_of
+from trainer.optim import is_block_matrix
+
+
+def matrices(*shapes, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g) for shape in shapes]
+
+
+def torch_orthogonalised(x, dtype):
+    """torch.optim.Muon's own Newton-Schulz, on one matrix, in `dtype` (torch's is bf16 always)."""
+    if dtype == torch.bfloat16:
+        return torch_newton_schulz(x, NS_COEFFICIENTS, 5, 1e-7)
+    a, b, c = NS_COEFFICIENTS  # the same iteration, written out per matrix in fp32
+    y = x.T if x.shape[0] > x.shape[1] else x
+    y = y / y.norm().clamp(min=1e-7)
+    for _ in range(5):
+        gram = y @ y.T
+        y = torch.addmm(y, torch.addmm(gram, gram, gram, beta=b, alpha=c), y, beta=a)
+    return y.T if x.shape[0] > x.shape[1] else y
+
+
+# ---------------------------------------------------------------------------- the iteration
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_newton_schulz_equals_per_matrix_newton_schulz(dtype):
+    xs = matrices(*[(64, 256)] * 6)
+    batched = newton_schulz(torch.stack(xs).to(dtype))
+    for x, got in zip(xs, batched):
+        expected = torch_orthogonalised(x.to(dtype), dtype)
+        torch.testing.assert_close(got.float(), expected.float(), atol=1e-6 if dtype == torch.float32 else 1e-2,
+                                   rtol=0)
+
+
+def test_fp32_newton_schulz_is_the_fp64_one_to_float_noise_and_bf16_is_not():
+    """Why the precision follows the run: an fp32 run's update is exact to ~1e-6, bf16's to ~1e-2."""
+    x = torch.stack(matrices((64, 256)))
+    exact = newton_schulz(x.double())
+    fp32_error = (newton_schulz(x).double() - exact).abs().max().item()
+    bf16_error = (newton_schulz(x.bfloat16()).double() - exact).abs().max().item()
+    assert fp32_error < 1e-5 < 1e-3 < bf16_error
+
+
+def test_newton_schulz_orthogonalises():
+    """The quintic iteration leaves every singular value in about [0.5, 1.5]."""
+    singular = torch.linalg.svdvals(newton_schulz(torch.stack(matrices((64, 256), (64, 256)))))
+    assert singular.min() > 0.5 and singular.max() < 1.5
+
+
+def test_one_stack_per_wide_shape_with_tall_matrices_transposed():
+    model = MiniMindForCausalLM(MiniMindConfig(hidden_size=64, num_hidden_layers=2, vocab_size=512))
+    named = [(n, p) for n, p in model.named_parameters() if is_block_matrix(n, p)]
+    stacks = stacks_of([tuple(p.shape) for _, p in named])
+    by_shape = {s.shape: sorted(named[i][0].split(".")[-2] for i in s.members) for s in stacks}
+    assert by_shape == {
+        (64, 64): ["o_proj", "o_proj", "q_proj", "q_proj"],
+        (32, 64): ["k_proj", "k_proj", "v_proj", "v_proj"],
+        (64, 256): ["down_proj", "down_proj", "gate_proj", "gate_proj", "up_proj", "up_proj"],  # gate, up: 256 x 64
+    }
+    mlp = next(s for s in stacks if s.shape == (64, 256))
+    assert [named[i][0].split(".")[-2] for i, t in zip(mlp.members, mlp.transposed) if t] == \
+        ["gate_proj", "up_proj"] * 2
+
+
+def test_each_rank_owns_a_fair_share_of_a_stack():
+    stack = stacks_of([(8, 8)] * 5)[0]
+    assert [list(stack.owned(r, 2)) for r in range(2)] == [[0, 1, 2], [3, 4]]
+    assert [list(stack.owned(r, 4)) for r in range(4)] == [[0, 1], [2, 3], [4], []]
+    assert [list(stack.owned(r, 8)) for r in range(8)] == [[0], [1], [2], [3], [4], [], [], []]
+    assert shard_rows(10, 4) == [3, 3, 3, 1] and shard_rows(2, 4) == [1, 1, 0, 0]
+
+
+# ---------------------------------------------------------------------------- the update rule
+def test_a_step_in_bf16_is_torch_optim_muons_step():
+    """Same momentum, Nesterov look-ahead, iteration, lr scale for tall matrices and decoupled decay."""
+    shapes = [(64, 64), (32, 64), (256, 64), (64, 256)]
+    ours = [torch.nn.Parameter(m) for m in matrices(*shapes)]
+    theirs = [torch.nn.Parameter(m) for m in matrices(*shapes)]
+    ours_opt = Muon(ours, lr=0.02, weight_decay=0.01, ns_dtype=torch.bfloat16)
+    theirs_opt = torch.optim.Muon(theirs, lr=0.02, weight_decay=0.01)
+    start = [p.detach().clone() for p in ours]
+    for step in range(3):
+        for p, q, g in zip(ours, theirs, matrices(*shapes, seed=step + 1)):
+            p.grad, q.grad = g.clone(), g.clone()
+        ours_opt.step()
+        theirs_opt.step()
+    for p, q, p0 in zip(ours, theirs, start):
+        moved = (q - p0).abs().max().item()
+        assert (p - q).abs().max().item() <= 1e-2 * moved, "differs by more than bf16 rounding"
+    assert ours_opt.state_dict()["param_groups"][0].keys() == theirs_opt.state_dict()["param_groups"][0].keys()
+    assert ours_opt.state[ours[0]].keys() == theirs_opt.state[theirs[0]].keys() == {"momentum_buffer"}
+
+
+def test_the_compiled_iteration_does_not_recompile_as_the_lr_moves(monkeypatch):
+    """compile_ns (on for CUDA runs) compiles the batched iteration alone, which never sees the lr.
+    Compiled here with dynamo's eager backend: the same graphs and guards, without code generation."""
+    import torch._dynamo
+
+    real_compile, calls = torch.compile, []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: calls.append(kw) or real_compile(fn, **kw, backend="eager"))
+    torch._dynamo.reset()
+    shapes = [(32, 64), (64, 32), (64, 64)]
+    params = [torch.nn.Parameter(m) for m in matrices(*shapes)]
+    opt = Muon(params, lr=0.02, compile_ns=True)
+    assert calls == [{"dynamic": False}]
+    frames = torch._dynamo.utils.counters["frames"]
+    for step in range(4):
+        for group in opt.param_groups:
+            group["lr"] = 0.02 * (step + 1) / 4  # the schedule changes it every step
+        for p, g in zip(params, matrices(*shapes, seed=step)):
+            p.grad = g
+        opt.step()
+        if step == 0:
+            compiled = frames["ok"]
+    assert compiled == 2  # one graph per stack shape: (32, 64) twice, (64, 64) once
+    assert frames["ok"] == compiled, "a later step compiled again"
+
+
+# ---------------------------------------------------------------------------- across ranks
+WORKER = REPO_ROOT / "tests" / "muon_worker.py"
+
+
+def _worker_results(tmp_path, layout, nproc) -> list[dict]:
+    """Each rank's saved weights and Newton-Schulz FLOPs after the worker's three steps."""
+    prefix = tmp_path / layout
+    if nproc == 1:
+        result = run_in_process(lambda: _run_worker_here(prefix, layout), tmp_path)
+    else:
+        result = train_forked(nproc, [prefix, layout], tmp_path, timeout=300, script=WORKER)
+    assert_clean_exit(result.returncode, result.stdout, f"{nproc}-process {layout} Muon")
+    return [torch.load(f"{prefix}_rank{r}.pt", weights_only=True) for r in range(nproc)]
+
+
+def _run_worker_here(prefix, layout):
+    argv, sys.argv = sys.argv, [str(WORKER), str(prefix), layout]
+    try:
+        runpy.run_path(str(WORKER), run_name="__main__")
+    finally:
+        sys.argv = argv
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    return _worker_results(tmp_path_factory.mktemp("muon_one"), "none", 1)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, nproc", [("ddp", 2), ("fsdp", 2), ("fsdp", 3)])
+def test_split_over_ranks_gives_the_one_process_weights_bitwise(one_process, tmp_path, layout, nproc):
+    """Given the same gradients, the split step equals the unsplit one bit for bit (measured on
+    CPU: a stack's batched iteration rounds the same whether it holds all matrices or a
+    share). 3 FSDP ranks shard the 256-row matrices 86/86/84 rows."""
+    for rank, result in enumerate(_worker_results(tmp_path, layout, nproc)):
+        assert_bitwise_equal(result["weights"], one_process["weights"])
+        share = result["flops"] / one_process["flops"]
+        assert share <= 0.55 if nproc == 2 else share < 0.4, f"rank {rank} ran {share:.2f} of the FLOPs"
+
+
+# ---------------------------------------------------------------------------- checkpoints
+@pytest.mark.slow
+def test_muon_resumes_bitwise_after_a_kill(tmp_path):
+    """One process, Muon + AdamW: killed at step 5, resumed from the step-4 checkpoint,
+    the final weights and optimizer state of both optimizers equal an uninterrupted run's.
+    Only the killed run is a process of its own (it SIGKILLs itself: forked from the
+    preloaded trainer); the uninterrupted and the resumed run are in-process, on one thread
+    as the forked one."""
+    base = [*TINY, "--optimizer", "muon", "--max_steps", "6", "--save_interval", "2"]  # the later flag wins
+    whole = train_in_process([*base, *out_args(tmp_path / "whole")], tmp_path)
+    assert whole.returncode == 0, whole.stdout[-3000:]
+    killed = train_forked(1, [*base, *out_args(tmp_path / "killed")], tmp_path,
+                          env={"MINIMIND_FAULT_AT_STEP": "5", "MINIMIND_FAULT_KIND": "kill"})
+    assert killed.returncode != 0
+    resumed = train_in_process([*base, *out_args(tmp_path / "killed"), "--from_resume", "1"], tmp_path)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert "resumed from" in resumed.stdout and "step 4/6" in resumed.stdout
+    a, b = latest_checkpoint(tmp_path / "whole"), latest_checkpoint(tmp_path / "killed")
+    assert a["global_step"] == b["global_step"] == 6
+    assert_bitwise_equal(a["model"], b["model"])
+    states_a, states_b = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert any("momentum_buffer" in s for s in states_a.values())  # Muon's state is in there
+    assert any("exp_avg" in s for s in states_a.values())          # and AdamW's
+    assert_same_state(states_a, states_b, "optimizer state")
+
+
+def test_a_checkpoint_written_with_torch_optim_muon_resumes(tmp_path):
+    """Runs of earlier versions trained with torch.optim.Muon: their momentum buffers load into ours."""
+    from trainer.checkpoint import save_checkpoint
+    from trainer.optim import OptimConfig, Optimizers, param_groups
+
+    torch.manual_seed(0)
+    config = MiniMindConfig(hidden_size=64, num_hidden_layers=2)
+    model = MiniMindForCausalLM(config)
+    groups = param_groups(model, OptimConfig(optimizer="muon"))
+    old = Optimizers([torch.optim.AdamW([g for g in groups if g["name"] != "muon"], lr=1e-3),
+                      torch.optim.Muon([g for g in groups if g["name"] == "muon"], lr=0.02)])
+    ids = torch.randint(3, 6400, (4, 64))
+    model(ids, labels=ids).loss.backward()
+    old.step()
+    run = tmp_path / "run"
+    save_checkpoint({"scaler": {}, "global_step": 1, "epoch": 0, "step_in_epoch": 1, "samples_per_step": 4,
+                     "world_size": 1, "tokens_seen": 256, "model_config": config.to_dict()},
+                    model, old, str(run / "ckpt"), "pretrain_64")
+    resumed = train_in_process([*TINY, *out_args(run), "--optimizer", "muon", "--max_steps", "3", "--from_resume", "1"],
+                               tmp_path)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert "resumed from" in resumed.stdout and "at step 1/3" in resumed.stdout
+    assert latest_checkpoint(run)["global_step"] == 3

@@ -1,0 +1,81 @@
+"""trainer/settings.py and trainer/device.py: what --dtype auto and --optimizer auto become
+on each kind of machine (the hardware facts passed in), and how this machine's are read."""
+import pytest
+import torch
+
+from trainer import device, settings
+from trainer.settings import resolve_dtype, resolve_optimizer
+
+AMX_XEON = frozenset({"fpu", "avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
+AVX512_BF16_ONLY = frozenset({"avx2", "avx512f", "avx512_bf16"})
+EPYC_NO_BF16 = frozenset({"fpu", "avx2", "avx512f", "avx512bw"})
+
+
+@pytest.mark.parametrize("flag, dev, cpu_flags, cuda_bf16, sharded, expected", [
+    ("auto", "cpu", AMX_XEON, False, False, "bfloat16"),
+    ("auto", "cpu", AVX512_BF16_ONLY, False, False, "bfloat16"),
+    ("auto", "cpu", EPYC_NO_BF16, False, False, "float32"),
+    ("auto", "cpu", frozenset(), False, False, "float32"),
+    ("auto", "cuda:0", frozenset(), True, False, "bfloat16"),
+    ("auto", "cuda:1", frozenset(), False, False, "float16"),
+    ("auto", "cuda", frozenset(), False, True, "float32"),  # FSDP: no sharded GradScaler
+    ("float32", "cuda:0", frozenset(), True, False, "float32"),
+    ("bfloat16", "cpu", EPYC_NO_BF16, False, False, "bfloat16"),
+])
+def test_resolve_dtype(flag, dev, cpu_flags, cuda_bf16, sharded, expected):
+    name, why = resolve_dtype(flag, dev, cpu_flags, cuda_bf16, sharded)
+    assert name == expected
+    assert why
+
+
+@pytest.mark.parametrize("flag, dev, dtype, cpu_flags, groups, expected", [
+    ("auto", "cuda:0", "bfloat16", frozenset(), "split", "muon"),
+    ("auto", "cuda:0", "float32", frozenset(), "split", "muon"),    # fp32 Newton-Schulz (TF32 on CUDA)
+    ("auto", "cuda:0", "float16", frozenset(), "split", "adamw"),   # a T4: no bf16, fp32 Newton-Schulz is slow there
+    ("auto", "cpu", "bfloat16", AMX_XEON, "split", "muon"),
+    ("auto", "cpu", "bfloat16", AVX512_BF16_ONLY, "split", "muon"),
+    ("auto", "cpu", "float32", EPYC_NO_BF16, "split", "muon"),      # fp32 Newton-Schulz: fast on any CPU
+    ("auto", "cpu", "bfloat16", EPYC_NO_BF16, "split", "adamw"),    # --dtype bfloat16 where it is emulated
+    ("auto", "cuda:0", "bfloat16", frozenset(), "single", "adamw"),  # MiniMind's one AdamW group
+    ("muon", "cpu", "bfloat16", EPYC_NO_BF16, "split", "muon"),     # explicit flags win
+    ("adamw", "cuda:0", "bfloat16", frozenset(), "split", "adamw"),
+])
+def test_resolve_optimizer(flag, dev, dtype, cpu_flags, groups, expected):
+    name, why = resolve_optimizer(flag, dev, dtype, cpu_flags, groups)
+    assert name == expected
+    assert why
+
+
+def test_the_default_run_picks_muon_on_every_cpu():
+    """Whatever the CPU, --dtype auto and --optimizer auto together give Muon."""
+    for cpu_flags in (AMX_XEON, AVX512_BF16_ONLY, EPYC_NO_BF16, frozenset()):
+        dtype, _ = resolve_dtype("auto", "cpu", cpu_flags)
+        assert resolve_optimizer("auto", "cpu", dtype, cpu_flags)[0] == "muon", cpu_flags
+
+
+def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: Xeon\nflags\t\t: fpu avx512f amx_bf16 amx_tile\n\n")
+    flags = device.read_cpu_flags(str(cpuinfo))
+    assert {"amx_bf16", "avx512f"} <= flags
+    assert resolve_dtype("auto", "cpu", flags)[0] == "bfloat16"
+    assert device.read_cpu_flags(str(tmp_path / "missing")) == frozenset()
+
+
+@pytest.mark.parametrize("capability, bf16_native, expected", [
+    ((9, 0), True, True), ((8, 0), True, True), ((7, 5), False, False), ((7, 0), True, False),
+])
+def test_cuda_bf16_detection(monkeypatch, capability, bf16_native, expected):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: bf16_native)
+    assert device.cuda_has_native_bf16("cuda:0") is expected
+    assert settings.detect_dtype("auto", "cuda:0")[0] == ("bfloat16" if expected else "float16")
+
+
+def test_wandb_records_the_accumulation_that_global_batch_size_implies():
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(accumulation_steps=1, dtype="auto", optimizer="auto", global_batch_size=16)
+    flags = settings.RunSettings("float32", "adamw", "cpu", False).as_flags(args, accumulation_steps=2)
+    assert (flags["accumulation_steps"], flags["dtype"], flags["optimizer"]) == (2, "float32", "adamw")
+    assert args.accumulation_steps == 1  # the parsed flags are left as they were
