@@ -21,7 +21,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.nn.attention.flex_attention import create_block_mask
 from torch.utils.data import Dataset
 
 from dataset.lm_dataset import DataError
@@ -182,43 +181,3 @@ def check_fits(name, meta, max_length, vocab_size=None, tokenizer=None):
     if meta["num_tokens"] < max_length + 1:
         raise DataError(f"{name}: has {meta['num_tokens']} tokens, fewer than one window of "
                         f"max_length+1 = {max_length + 1}; use more data or a smaller max_length")
-
-
-def document_ids(input_ids, bos_token_id):
-    """(B, T) index of the document each position belongs to. A document starts at each BOS;
-    tokens before the window's first BOS (the tail of a document that began in an earlier
-    window) form a document of their own."""
-    return torch.cumsum((input_ids == bos_token_id).to(torch.int32), dim=1)
-
-
-def document_causal_mask(input_ids, bos_token_id, flex=None):
-    """
-    Attention mask, causal and within the same document, in the form the model runs fastest:
-    flex=None picks a FlexAttention BlockMask on CUDA and the dense mask elsewhere
-    (scripts/bench_attention.py: FlexAttention has no backward on CPU).
-    """
-    if flex is None:
-        flex = input_ids.is_cuda
-    return document_block_mask(input_ids, bos_token_id) if flex else dense_document_mask(input_ids, bos_token_id)
-
-
-def dense_document_mask(input_ids, bos_token_id):
-    """(B, 1, T, T) bool, True = may attend. The diagonal is always True, so no row is fully
-    masked (which would give NaN in SDPA)."""
-    doc_ids = document_ids(input_ids, bos_token_id)
-    same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]  # (B, T, T)
-    T = input_ids.shape[1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()
-    return (same_doc & causal).unsqueeze(1)
-
-
-def document_block_mask(input_ids, bos_token_id):
-    """The same mask as a FlexAttention BlockMask: blocks of 128 x 128 positions that lie
-    wholly outside every document are never computed."""
-    doc_ids = document_ids(input_ids, bos_token_id)
-
-    def causal_same_document(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
-
-    B, T = input_ids.shape
-    return create_block_mask(causal_same_document, B, None, T, T, device=input_ids.device)

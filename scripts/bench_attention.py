@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from dataset.packed_dataset import dense_document_mask, document_block_mask  # noqa: E402
+from model.document_mask import dense_document_mask, document_block_mask  # noqa: E402
 from model.model_minimind import Attention, MiniMindConfig  # noqa: E402
 from trainer.cli import OneLineArgumentParser  # noqa: E402
 

@@ -2,9 +2,9 @@
 packed path's document mask as a FlexAttention BlockMask, each against the plain math."""
 import pytest
 import torch
-from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask, flex_attention
 
-from dataset.packed_dataset import dense_document_mask, document_block_mask, document_causal_mask
+from model.document_mask import dense_document_mask, document_block_mask, document_causal_mask, document_ids
 from model import model_minimind
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 
@@ -98,12 +98,79 @@ def test_sdpa_gqa_kv_cache_decoding_equals_math():
 # -----------------------------------------------------------------------------
 # the document mask as a FlexAttention BlockMask
 
+def test_document_causal_mask():
+    bos = BOS
+    input_ids = torch.tensor([[5, 1, 7, 8, 1, 9],    # tail of a doc, then two docs
+                              [4, 4, 4, 4, 4, 4]])   # no BOS: one doc, plain causal
+    mask = document_causal_mask(input_ids, bos)
+    assert mask.shape == (2, 1, 6, 6) and mask.dtype == torch.bool
+    expected = torch.tensor([
+        [1, 0, 0, 0, 0, 0],
+        [0, 1, 0, 0, 0, 0],
+        [0, 1, 1, 0, 0, 0],
+        [0, 1, 1, 1, 0, 0],
+        [0, 0, 0, 0, 1, 0],
+        [0, 0, 0, 0, 1, 1],
+    ], dtype=torch.bool)
+    assert torch.equal(mask[0, 0], expected)
+    assert torch.equal(mask[1, 0], torch.ones(6, 6, dtype=torch.bool).tril())
+
+
 def test_block_mask_is_exactly_the_dense_document_mask():
     ids = packed_ids(batch=3, length=300)  # not a multiple of FlexAttention's 128-wide blocks
     block = document_block_mask(ids, BOS)
     assert isinstance(block, BlockMask)
     as_dense = create_mask(block.mask_mod, 3, 1, 300, 300, device="cpu")
     assert torch.equal(as_dense, dense_document_mask(ids, BOS))
+
+
+def _layouts():
+    """Windows of BOS layouts the block boundaries must get right, by name."""
+    gen = torch.Generator().manual_seed(3)
+    layouts = {}
+    for length in (128, 256, 300, 1024):
+        plain = torch.randint(3, 500, (2, length), generator=gen)
+        layouts[f"one document, {length}"] = plain
+        spanning = plain.clone()
+        spanning[:, [0, 100, 400 % length, 700 % length]] = BOS  # documents that cross blocks
+        layouts[f"documents across blocks, {length}"] = spanning
+        tiny = plain.clone()
+        tiny[:, 60:70] = BOS  # ten one-token documents in a row
+        tiny[:, length - 1] = BOS  # a document that starts at the very last position
+        layouts[f"one-token documents, {length}"] = tiny
+        tail = plain.clone()
+        tail[:, length // 3] = BOS  # the window starts inside a document and ends inside another
+        layouts[f"ends mid-document, {length}"] = tail
+        for seed in range(3):
+            noisy = plain.clone()
+            noisy.scatter_(1, torch.randint(0, length, (2, 1 + 4 * seed), generator=gen), BOS)
+            layouts[f"random {seed}, {length}"] = noisy
+    return layouts
+
+
+@pytest.mark.parametrize("name", list(_layouts()))
+def test_block_mask_from_document_boundaries_equals_create_block_mask(name):
+    """The BlockMask built from each block's first and last document equals the one
+    create_block_mask finds by evaluating the mask at every position: the same blocks
+    computed, and the same ones computed without the mask function (full blocks)."""
+    ids = _layouts()[name]
+    doc_ids = document_ids(ids, BOS)
+    T = ids.shape[1]
+    reference = create_block_mask(lambda b, h, q, kv: (kv <= q) & (doc_ids[b, q] == doc_ids[b, kv]),
+                                  ids.shape[0], None, T, T, device="cpu")
+    ours = document_block_mask(ids, BOS)
+    assert torch.equal(ours.to_dense(), reference.to_dense())
+    assert torch.equal(ours.full_kv_num_blocks, reference.full_kv_num_blocks)
+    assert torch.equal(create_mask(ours.mask_mod, ids.shape[0], 1, T, T, device="cpu"), dense_document_mask(ids, BOS))
+
+
+def test_building_the_block_mask_reads_nothing_back_to_the_host():
+    from tests.launch_utils import CountHostReads
+
+    ids = _layouts()["documents across blocks, 1024"]
+    with CountHostReads() as counter:
+        document_block_mask(ids, BOS)
+    assert counter.reads == 0
 
 
 def test_document_causal_mask_is_dense_on_cpu_unless_asked():

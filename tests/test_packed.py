@@ -1,4 +1,4 @@
-"""Packed token stream: window layout, prepare_data.py round trip, load-time checks, document mask."""
+"""Packed token stream: window layout, prepare_data.py round trip, load-time checks."""
 
 import subprocess
 import sys
@@ -9,8 +9,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from dataset.lm_dataset import DataError
-from dataset.packed_dataset import (PackedPretrainDataset, document_causal_mask, dtype_for_vocab,
-                                    read_meta, write_meta)
+from dataset.packed_dataset import PackedPretrainDataset, dtype_for_vocab, read_meta, write_meta
 from scripts.prepare_data import prepare
 from tests import helpers_data
 from tests.launch_utils import REPO_ROOT
@@ -150,21 +149,3 @@ def test_packed_through_dataloader_workers(tmp_path):
     expected = torch.stack([ds[i][1] for i in range(len(ds))])
     got = torch.cat([labels for _, labels in DataLoader(ds, batch_size=3, num_workers=2)])
     assert torch.equal(got, expected)
-
-
-def test_document_causal_mask():
-    bos = 1
-    input_ids = torch.tensor([[5, 1, 7, 8, 1, 9],    # tail of a doc, then two docs
-                              [4, 4, 4, 4, 4, 4]])   # no BOS: one doc, plain causal
-    mask = document_causal_mask(input_ids, bos)
-    assert mask.shape == (2, 1, 6, 6) and mask.dtype == torch.bool
-    expected = torch.tensor([
-        [1, 0, 0, 0, 0, 0],
-        [0, 1, 0, 0, 0, 0],
-        [0, 1, 1, 0, 0, 0],
-        [0, 1, 1, 1, 0, 0],
-        [0, 0, 0, 0, 1, 0],
-        [0, 0, 0, 0, 1, 1],
-    ], dtype=torch.bool)
-    assert torch.equal(mask[0, 0], expected)
-    assert torch.equal(mask[1, 0], torch.ones(6, 6, dtype=torch.bool).tril())

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dataset.packed_dataset import document_causal_mask
+from model.document_mask import document_causal_mask
 from trainer.data import to_targets
 from trainer.parallel import as_local_scalar, gradient_sync
 from trainer.distributed import all_reduce_sum

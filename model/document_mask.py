@@ -1,0 +1,72 @@
+"""Attention masks for packed windows, where one window holds several documents: a query
+attends to earlier positions of its own document only. Built from the BOS positions, in
+the form the model runs fastest: a dense (B, 1, T, T) mask for SDPA, or a FlexAttention
+BlockMask that lets the kernel skip the 128 x 128 blocks that cross documents."""
+import torch
+from torch.nn.attention.flex_attention import BlockMask
+
+BLOCK = 128  # FlexAttention's default block size
+
+
+def document_ids(input_ids, bos_token_id):
+    """(B, T) index of the document each position belongs to, non-decreasing along T. A document
+    starts at each BOS; tokens before the window's first BOS (the tail of a document that began in
+    an earlier window) form a document of their own."""
+    return torch.cumsum((input_ids == bos_token_id).to(torch.int32), dim=1)
+
+
+def document_causal_mask(input_ids, bos_token_id, flex=None):
+    """The mask for the model's attention: a BlockMask on CUDA (flex=None), the dense mask
+    elsewhere, since FlexAttention has no backward on CPU (scripts/bench_attention.py)."""
+    if flex is None:
+        flex = input_ids.is_cuda
+    return document_block_mask(input_ids, bos_token_id) if flex else dense_document_mask(input_ids, bos_token_id)
+
+
+def dense_document_mask(input_ids, bos_token_id):
+    """(B, 1, T, T) bool, True = may attend. The diagonal is always True, so no row is fully
+    masked (which would give NaN in SDPA)."""
+    doc_ids = document_ids(input_ids, bos_token_id)
+    same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]  # (B, T, T)
+    T = input_ids.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()
+    return (same_doc & causal).unsqueeze(1)
+
+
+def document_block_mask(input_ids, bos_token_id) -> BlockMask:
+    """The dense mask as a FlexAttention BlockMask, read off the document boundaries per block.
+
+    Document ids never decrease along a window, so a block's documents run from the id at its
+    first position to the id at its last. For a key block j before a query block i:
+      * some entry is allowed iff the key block's last document is the query block's first;
+      * every entry is allowed ("full": no mask_mod needed) iff the key block's first document
+        is the query block's last, i.e. both blocks lie in one document.
+    The diagonal block is always partial (causal inside). A few small tensor ops per batch, on
+    the device, with no host read, where create_block_mask would evaluate the mask at every
+    one of the T x T positions.
+    """
+    doc_ids = document_ids(input_ids, bos_token_id)
+    B, T = doc_ids.shape
+    blocks = -(-T // BLOCK)
+    starts = torch.arange(blocks, device=doc_ids.device) * BLOCK
+    first = doc_ids[:, starts]  # (B, blocks): the lowest document id in each block
+    last = doc_ids[:, (starts + BLOCK - 1).clamp(max=T - 1)]  # the highest
+    before = torch.ones(blocks, blocks, dtype=torch.bool, device=doc_ids.device).tril(-1)  # [query, key]
+    diagonal = torch.eye(blocks, dtype=torch.bool, device=doc_ids.device)
+    touches = (before & (last[:, None, :] == first[:, :, None])) | diagonal
+    # A short last block (T not a multiple of 128) stays partial, as create_block_mask has it.
+    whole = (starts + BLOCK <= T)[:, None]
+    full = before & whole & (first[:, None, :] == last[:, :, None])
+
+    def causal_same_document(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+
+    return BlockMask.from_kv_blocks(*_listed(touches & ~full), *_listed(full), BLOCK_SIZE=BLOCK,
+                                    mask_mod=causal_same_document, seq_lengths=(T, T))
+
+
+def _listed(chosen):
+    """(B, Q, K) bool blocks -> BlockMask's (B, 1, Q) counts and (B, 1, Q, K) key block indices, chosen ones first."""
+    counts = chosen.sum(-1, dtype=torch.int32)
+    indices = torch.argsort(chosen.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return counts[:, None], indices[:, None]
