@@ -9,6 +9,7 @@ from dataset.demo_corpus import DEMO_CORPUS
 from model.weights import FLAG_DEFAULTS
 from trainer.cli import OneLineArgumentParser
 from trainer.optim import check_optim_args
+from trainer.profiling import step_window
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,6 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
     sys_.add_argument("--dist_timeout", type=float, default=600,
                       help="seconds a collective may wait for a peer, and the trainer for a DataLoader worker's batch")
     sys_.add_argument("--peak_tflops", type=float, default=0, help="device peak for MFU (default: looked up by GPU name)")
+    sys_.add_argument("--profile_steps", type=step_window, default=None,
+                      help="A:B: a torch.profiler trace of optimizer steps A to B in {save_dir}/profile/ (Perfetto, TensorBoard)")
+    sys_.add_argument("--profile_ranks", default="0", choices=["0", "all"], help="whose trace --profile_steps writes")
+    sys_.add_argument("--memory_snapshot", type=int, default=0, choices=[0, 1],
+                      help="1: a CUDA memory snapshot of the --profile_steps window (else steps 1:3) and on "
+                           "out-of-memory, in {save_dir}/profile/ (pytorch.org/memory_viz)")
     # The legacy launcher passes --local-rank=N (older torch: --local_rank); LOCAL_RANK env wins.
     sys_.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int, default=None, help=argparse.SUPPRESS)
     return p
@@ -140,6 +147,9 @@ def check_args(args, cuda_available: bool):
                         f"pass a plain name such as pretrain (folders go in --save_dir)")
     if args.dtype == "float16" and not cuda_available:
         raise UserError("--dtype float16 needs CUDA (its GradScaler is CUDA-only); on CPU use --dtype bfloat16 or float32")
+    if args.memory_snapshot and not cuda_available:
+        raise UserError("--memory_snapshot 1 records CUDA allocations, and this run is on the CPU: drop it "
+                        "(the log's mem column is the CPU's peak RSS)")
     if args.parallel == "fsdp" and args.dtype == "float16":
         raise UserError("--parallel fsdp trains in bfloat16 or float32 (no sharded GradScaler here); "
                         "pass --dtype bfloat16")

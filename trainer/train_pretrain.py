@@ -40,6 +40,7 @@ from trainer.metrics import RunLogger, Throughput, TrainRow, device_peak_flops, 
 from trainer.optim import OptimConfig, build_optimizer, describe, peak_lrs, set_lr  # noqa: E402
 from trainer.parallel import full_state_dict, local_state_mib, replica_group, weights_finite, wrap_model  # noqa: E402
 from trainer.preflight import check_device, check_output_dirs, check_worker_tmpdir  # noqa: E402
+from trainer.profiling import Profiling  # noqa: E402
 from trainer.resilience import FaultPlan, PreemptionFlag  # noqa: E402
 from trainer.save_schedule import SaveSchedule  # noqa: E402
 from trainer.settings import RunSettings, resolve_settings  # noqa: E402
@@ -264,6 +265,7 @@ def train(args, env) -> int:
     saves = SaveSchedule(args.save_interval, args.save_every_minutes, args.log_interval, env.device)
     preempt, faults = PreemptionFlag(), FaultPlan.from_env(rank)
     preempt.install()
+    profiling = Profiling(args, prefix, rank, env.device, start_step, total_steps)
     throughput = Throughput(plan.samples_per_step * args.max_seq_len, env.device)
     peak = device_peak_flops(env.device, args.peak_tflops)
     Logger(f"world_size={world_size} micro_batch={args.batch_size} accumulation={plan.accumulation_steps} "
@@ -277,52 +279,55 @@ def train(args, env) -> int:
 
     # ------------------------------------------------------------------ 6. train
     bad_steps, totals = 0, StepTotals(env.device)
-    while state.global_step < total_steps:
-        where = plan.position(state.global_step)
-        sampler.set_epoch(where.epoch)
-        sampler.set_start(where.sampler_start)
-        batches = iter(loader)
-        for _ in range(min(plan.steps_per_epoch - where.step_in_epoch, total_steps - state.global_step)):
-            faults.crash_before(state.global_step, rank)
-            lrs = set_lr(optimizer, parts.peaks, state.global_step, total_steps, args.warmup_steps)
-            micro_batches = [next(batches) for _ in range(plan.accumulation_steps)]
-            result = optimizer_step(step_context, micro_batches, poison=faults.poisons(state.global_step),
-                                    preempt_requested=preempt.requested)
-            if state.global_step == start_step:
-                weights_mib, optimizer_mib = local_state_mib(model, optimizer)
-                Logger(f"state per rank: weights {weights_mib:,.0f} MiB, optimizer {optimizer_mib:,.0f} MiB")
-            state.global_step += 1
-            step = state.global_step
-            totals.add(result)
-            log.step_done()
-            bad_steps = count_bad_step(result.skipped, bad_steps, step, args.max_bad_steps)
+    with profiling.out_of_memory_snapshot(lambda: state.global_step + 1):
+        while state.global_step < total_steps:
+            where = plan.position(state.global_step)
+            sampler.set_epoch(where.epoch)
+            sampler.set_start(where.sampler_start)
+            batches = iter(loader)
+            for _ in range(min(plan.steps_per_epoch - where.step_in_epoch, total_steps - state.global_step)):
+                faults.crash_before(state.global_step, rank)
+                profiling.step_begins(state.global_step + 1)
+                lrs = set_lr(optimizer, parts.peaks, state.global_step, total_steps, args.warmup_steps)
+                micro_batches = [next(batches) for _ in range(plan.accumulation_steps)]
+                result = optimizer_step(step_context, micro_batches, poison=faults.poisons(state.global_step),
+                                        preempt_requested=preempt.requested)
+                if state.global_step == start_step:
+                    weights_mib, optimizer_mib = local_state_mib(model, optimizer)
+                    Logger(f"state per rank: weights {weights_mib:,.0f} MiB, optimizer {optimizer_mib:,.0f} MiB")
+                state.global_step += 1
+                step = state.global_step
+                profiling.step_ended(step)
+                totals.add(result)
+                log.step_done()
+                bad_steps = count_bad_step(result.skipped, bad_steps, step, args.max_bad_steps)
 
-            last, stop = step == total_steps, result.stop
-            log_now = step % args.log_interval == 0 or last
-            eval_now = val_loader is not None and (last or (args.eval_interval and step % args.eval_interval == 0))
-            save_now = saves.due(step) or last or stop  # due() first: every rank calls it every step
-            if log_now or eval_now or save_now:  # steps that read the device anyway
-                new_tokens, steps = totals.take_tokens()
-                state.tokens_seen += new_tokens
-                throughput.add(new_tokens, steps=steps)
-            if log_now:
-                loss, aux = totals.take_window()
-                tok_s, real_tok_s = throughput.report()
-                mfu = flops_token * tok_s / world_size / peak if peak else None
-                log.log_train(TrainRow(step, where.epoch, loss, aux, lrs, state.tokens_seen, tok_s, real_tok_s, mfu))
-            with throughput.paused(eval_now or save_now):  # tokens/s and MFU count training time only
-                if eval_now:
-                    with log.untimed():
-                        val_loss, val_bpb = evaluate(parts.net, val_loader, autocast, env.device,
-                                                     data.val_labels_are_shifted, byte_lengths)
-                    log.log_val(step, state.tokens_seen, val_loss, val_bpb)
-                if save_now:
-                    save_run(state, parts, config, files)
-                    saves.saved()
-            if stop:
-                Logger(f"preempted: saved step {step} to {args.checkpoint_dir}; resume with --from_resume 1")
-                log.close()
-                return 128 + (preempt.signum or 15)
+                last, stop = step == total_steps, result.stop
+                log_now = step % args.log_interval == 0 or last
+                eval_now = val_loader is not None and (last or (args.eval_interval and step % args.eval_interval == 0))
+                save_now = saves.due(step) or last or stop  # due() first: every rank calls it every step
+                if log_now or eval_now or save_now:  # steps that read the device anyway
+                    new_tokens, steps = totals.take_tokens()
+                    state.tokens_seen += new_tokens
+                    throughput.add(new_tokens, steps=steps)
+                if log_now:
+                    loss, aux = totals.take_window()
+                    tok_s, real_tok_s = throughput.report()
+                    mfu = flops_token * tok_s / world_size / peak if peak else None
+                    log.log_train(TrainRow(step, where.epoch, loss, aux, lrs, state.tokens_seen, tok_s, real_tok_s, mfu))
+                with throughput.paused(eval_now or save_now):  # tokens/s and MFU count training time only
+                    if eval_now:
+                        with log.untimed():
+                            val_loss, val_bpb = evaluate(parts.net, val_loader, autocast, env.device,
+                                                         data.val_labels_are_shifted, byte_lengths)
+                        log.log_val(step, state.tokens_seen, val_loss, val_bpb)
+                    if save_now:
+                        save_run(state, parts, config, files)
+                        saves.saved()
+                if stop:
+                    Logger(f"preempted: saved step {step} to {args.checkpoint_dir}; resume with --from_resume 1")
+                    log.close()
+                    return 128 + (preempt.signum or 15)
     log.close()
     Logger(f"done: {state.global_step} steps, {state.tokens_seen:,} tokens; weights in {args.save_dir}/{prefix}.pth")
     return 0

@@ -1,0 +1,98 @@
+"""--profile_steps writes a torch.profiler trace that Perfetto and TensorBoard open, of rank 0
+or of every rank; --memory_snapshot writes the CUDA allocator's state, also on out-of-memory
+(its CUDA calls stood in for on CPU)."""
+import gzip
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.forked_ranks import train_forked
+from tests.launch_utils import TINY, out_args, train_in_process
+from trainer.profiling import Profiling
+
+
+def trace_events(path) -> list[dict]:
+    with gzip.open(path) as f:
+        return json.load(f)["traceEvents"]
+
+
+def test_profile_steps_writes_a_chrome_trace_of_those_steps(tmp_path):
+    run = train_in_process([*TINY, *out_args(tmp_path), "--max_steps", "5", "--profile_steps", "2:3"], tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:]
+    traces = list((tmp_path / "out" / "profile").iterdir())
+    assert [p.name for p in traces] == ["pretrain_64_steps2-3_rank0.pt.trace.json.gz"]  # TensorBoard's naming
+    assert f"traced in {traces[0]}" in run.stdout
+    names = {event.get("name") for event in trace_events(traces[0])}
+    assert {"ProfilerStep#2", "ProfilerStep#3"} <= names and "ProfilerStep#4" not in names
+    assert "aten::mm" in names and "aten::baddbmm" in names  # the model's matmuls, Muon's batched iteration
+
+
+@pytest.mark.slow
+def test_profile_ranks_all_writes_one_trace_per_rank(tmp_path):
+    run = train_forked(2, [*TINY, *out_args(tmp_path), "--max_steps", "3", "--profile_steps", "3:9",
+                           "--profile_ranks", "all"], tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:]
+    traces = sorted(p.name for p in (tmp_path / "out" / "profile").iterdir())
+    assert traces == [f"pretrain_64_steps3-3_rank{r}.pt.trace.json.gz" for r in (0, 1)]  # the window ends with the run
+    for name in traces:
+        assert "ProfilerStep#3" in {e.get("name") for e in trace_events(tmp_path / "out" / "profile" / name)}
+
+
+def test_a_window_already_trained_says_so(tmp_path):
+    args = SimpleNamespace(save_dir=str(tmp_path), profile_steps=(2, 3), profile_ranks="0", memory_snapshot=0)
+    from contextlib import redirect_stdout
+    from io import StringIO
+
+    out = StringIO()
+    with redirect_stdout(out):
+        profiling = Profiling(args, "run", 0, "cpu", start_step=10, total_steps=20)
+    assert "already trained" in out.getvalue()
+    for step in range(11, 14):
+        profiling.step_begins(step)
+        profiling.step_ended(step)
+    assert not tmp_path.joinpath("profile").exists()
+
+
+@pytest.fixture
+def fake_cuda_memory(monkeypatch):
+    """torch.cuda.memory's recorder on a CPU machine: records the calls, writes a file per dump."""
+    calls = []
+
+    def record(enabled="all", **kwargs):
+        calls.append(("record", enabled))
+
+    def dump(path):
+        calls.append(("dump", path))
+        with open(path, "wb") as f:
+            f.write(b"snapshot")
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", record)
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", dump)
+    return calls
+
+
+def test_memory_snapshot_records_the_first_steps_then_stops(tmp_path, fake_cuda_memory):
+    args = SimpleNamespace(save_dir=str(tmp_path), profile_steps=None, profile_ranks="0", memory_snapshot=1)
+    profiling = Profiling(args, "run", 0, "cuda:0", start_step=0, total_steps=100)
+    for step in range(1, 6):
+        profiling.step_begins(step)
+        profiling.step_ended(step)
+    path = str(tmp_path / "profile" / "run_memory_rank0.pickle")
+    assert fake_cuda_memory == [("record", "all"), ("dump", path), ("record", None)]
+
+
+def test_out_of_memory_writes_a_snapshot_and_still_fails(tmp_path, fake_cuda_memory):
+    args = SimpleNamespace(save_dir=str(tmp_path), profile_steps=None, profile_ranks="0", memory_snapshot=1)
+    profiling = Profiling(args, "run", 1, "cuda:1", start_step=0, total_steps=100)
+    with pytest.raises(torch.OutOfMemoryError):
+        with profiling.out_of_memory_snapshot(lambda: 7):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert (tmp_path / "profile" / "run_memory_oom_step7_rank1.pickle").read_bytes() == b"snapshot"
+
+
+def test_memory_snapshot_on_cpu_is_one_line(tmp_path):
+    run = train_in_process([*TINY, *out_args(tmp_path), "--max_steps", "2", "--memory_snapshot", "1"], tmp_path)
+    assert run.returncode == 2
+    assert "error: --memory_snapshot 1 records CUDA allocations, and this run is on the CPU" in run.stdout
+    assert "Traceback" not in run.stdout
