@@ -13,6 +13,8 @@ Each variant is a real train_pretrain.py run on the same model and corpus:
     f  packed + --doc_mask 1 (attention kept inside documents: dense mask on CPU, FlexAttention on CUDA)
     g  packed, torchrun with N processes and --parallel fsdp
     h  packed, torchrun with N processes + --use_compile 1 (compiled around DDP)
+    i  packed + --use_compile 1 --optimizer adamw (beside c: what Muon costs)
+    j  packed + --use_compile 1 --doc_mask 1 (beside c: what the document mask costs)
 
 Every process runs one thread by default (--threads changes it for the single-process
 variants), so on a 2-core machine (d) shows what a second process buys. Variants run in
@@ -59,6 +61,8 @@ VARIANTS = {
     "f": ("packed + doc_mask", 1, DEMO_BIN, ["--doc_mask", "1"], {}),
     "g": ("packed, FSDP torchrun xN", "N", DEMO_BIN, ["--parallel", "fsdp"], {}),
     "h": ("packed, torchrun xN + compile", "N", DEMO_BIN, ["--use_compile", "1"], {}),
+    "i": ("packed + compile, AdamW", 1, DEMO_BIN, ["--use_compile", "1", "--optimizer", "adamw"], {}),
+    "j": ("packed + compile + doc_mask", 1, DEMO_BIN, ["--use_compile", "1", "--doc_mask", "1"], {}),
 }
 
 

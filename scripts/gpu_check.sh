@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check: one run, at most 8 minutes on a machine with one GPU (sized for an H200).
+# The GPU check: one run, at most 10 minutes on a machine with one GPU (sized for an H200).
 #
 #   bash scripts/gpu_check.sh                 # writes the report to stdout, and to $OUT/gpu_check.txt when OUT is set
 #
@@ -9,11 +9,15 @@
 #    kernels the profiler sees when SDPA chooses by itself;
 # 3. the demo corpus and its packed .bin, built here (scripts/build_demo_corpus.py, prepare_data.py);
 # 4. the 64M model (hidden 768, 8 layers) at seq 1024 in bf16, one trainer run per variant
-#    through scripts/bench_pretrain.py: packed eager (b), compiled (c), doc_mask (f), torchrun
+#    through scripts/bench_pretrain.py: packed eager (b), compiled with the default optimizer
+#    (c: Muon) and with AdamW (i), compiled with --doc_mask (j), eager doc_mask (f), torchrun
 #    --nproc_per_node=1 on NCCL (d), FSDP under torchrun on 1 GPU (g), padded JSONL (a); one
 #    table row each (tokens/s, MFU and peak memory from the trainer's metrics jsonl), at the end;
 # 5. the --doc_mask kernels: scripts/bench_attention.py --device cuda (dense mask vs
-#    FlexAttention, forward+backward, and their outputs and gradients compared), run before (a).
+#    FlexAttention, forward+backward, and their outputs and gradients compared), run before (g);
+# 6. Muon's step alone: scripts/bench_optimizer.py --settings cuda (torch.optim.Muon against ours);
+# 7. the ratios the targets are stated in: c against i (Muon's cost), j against c (the document
+#    mask's), d against b (a 1-process torchrun against a plain process), and c's MFU.
 # A part that fails prints FAILED and the end of its log, and the rest still runs. Every part
 # gets at most what is left of the budget (GPU_CHECK_BUDGET seconds, default 450), and each
 # training variant at most GPU_CHECK_VARIANT_LIMIT seconds (default 150, compilation included).
@@ -37,10 +41,10 @@ SEQ=${GPU_CHECK_SEQ:-1024}
 BATCH=${GPU_CHECK_BATCH:-32}
 STEPS=${GPU_CHECK_STEPS:-30}
 WARMUP=${GPU_CHECK_WARMUP:-10}
-BUDGET=${GPU_CHECK_BUDGET:-450}
+BUDGET=${GPU_CHECK_BUDGET:-540}
 # What runs, in order, most wanted first (the budget may run out at the end): bench_pretrain.py's
-# variant letters, and "kernels" for part 5.
-PLAN=${GPU_CHECK_PLAN:-b c f d g kernels a}
+# variant letters, "kernels" for part 5 and "optimizer" for part 6.
+PLAN=${GPU_CHECK_PLAN:-b c i j d optimizer f kernels g a}
 VARIANT_LIMIT=${GPU_CHECK_VARIANT_LIMIT:-150}
 RESERVE=15                               # seconds kept for the final table
 WORK=$(mktemp -d)
@@ -158,11 +162,21 @@ doc_mask_kernels() {
         --seq_lens "$SEQ" --batch_size "$BATCH" --repeats 10
 }
 
+# ---------------------------------------------------------------- 6. Muon's step alone
+optimizer_step() {
+    local settings=cuda
+    [[ $DEVICE == cpu ]] && settings=one
+    run optimizer 120 "$PYTHON" scripts/bench_optimizer.py --settings "$settings" --hidden_size "$HIDDEN" \
+        --num_hidden_layers "$LAYERS" --steps 5
+}
+
 have_data=0
 [[ -s dataset/demo_pretrain.jsonl && -s dataset/demo_pretrain.bin ]] && have_data=1
 for step in $PLAN; do
     if [[ $step == kernels ]]; then
         doc_mask_kernels
+    elif [[ $step == optimizer ]]; then
+        optimizer_step
     elif (( have_data )); then
         variant "$step"
     else
@@ -177,8 +191,9 @@ RESERVE=0 run table 15 "$PYTHON" - "$WORK" $PLAN <<'EOF'
 import json, sys
 from pathlib import Path
 
-work, keys = Path(sys.argv[1]), [key for key in sys.argv[2:] if key != "kernels"]
+work, keys = Path(sys.argv[1]), [key for key in sys.argv[2:] if key not in ("kernels", "optimizer")]
 print(f"{'variant':<30}{'tokens/s':>12}{'s/step':>9}{'MFU':>8}{'peak mem':>14}")
+done = {}
 for key in keys:
     path = work / f"variant_{key}.json"
     if not path.exists():
@@ -186,9 +201,24 @@ for key in keys:
         continue
     data = json.loads(path.read_text())
     for r in data["results"]:
+        done[key] = r
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
         print(f"{r['variant']:<30}{r['tokens_per_s']:>12,.0f}{r['s_per_step']:>9.3f}{mfu:>8}{r['peak_mem_mib']:>10,.0f} MiB")
     for k, why in data["failed"].items():
         print(f"{k}) FAILED: {why.splitlines()[0]} (log: gpu_check_logs/variant_{k}.log)")
+
+print()
+# (what, numerator, denominator, target): tokens/s ratios of the variants, as the targets state them
+for what, top, bottom, target in [("Muon's cost: compiled default (c) / compiled AdamW (i)", "c", "i", ">= 0.90"),
+                                  ("--doc_mask's cost: compiled doc_mask (j) / compiled (c)", "j", "c", ">= 0.95"),
+                                  ("1-process torchrun (d) / plain process (b)", "d", "b", ">= 0.97"),
+                                  ("eager doc_mask (f) / eager (b)", "f", "b", "")]:
+    if top in done and bottom in done:
+        ratio = done[top]["tokens_per_s"] / done[bottom]["tokens_per_s"]
+        print(f"{what}: {ratio:.3f}" + (f" (target {target})" if target else ""))
+    else:
+        print(f"{what}: not measured ({', '.join(k for k in (top, bottom) if k not in done)} did not run)")
+if "c" in done and done["c"]["mfu"] is not None:
+    print(f"MFU of the compiled default (c): {done['c']['mfu']:.1%} (target >= 35% for the 64M model on an H200)")
 EOF
 say "== gpu_check done in ${SECONDS}s"
