@@ -134,3 +134,19 @@ def test_eval_llm_and_trainer_validation_agree_on_bits_per_byte(tmp_path):
     loader = DataLoader(PretrainDataset(str(docs), tok, 64), batch_size=2)
     loss_t, bpb_t = evaluate(model, loader, nullcontext(), "cpu", False, token_byte_lengths(tok, 6400))
     assert bpb_t == pytest.approx(bpb, rel=1e-5) and loss_t == pytest.approx(loss, rel=1e-5)
+
+
+def test_adam_betas_reach_adamw_and_a_bad_pair_is_one_line(capsys):
+    from trainer.args import parse_args
+    from trainer.settings import RunSettings
+
+    args = parse_args(["--adam_betas", "0.9,0.999"])
+    cfg = OptimConfig.from_args(args, RunSettings("float32", "muon", "cpu", False))
+    adamw = build_optimizer(tiny_model(), cfg).optimizers[0]
+    assert adamw.defaults["betas"] == (0.9, 0.999)
+    assert parse_args([]).adam_betas == (0.9, 0.95)
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--adam_betas", "0.9"])
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 2 and len(err.splitlines()) == 1
+    assert "--adam_betas: expected two numbers in [0, 1) as B1,B2" in err

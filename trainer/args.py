@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="split: no weight decay on norms and other 1-D params; single: MiniMind's one AdamW group")
     opt.add_argument("--grad_clip", type=float, default=1.0)
     opt.add_argument("--weight_decay", type=float, default=0.01)
+    opt.add_argument("--adam_betas", type=adam_betas, default=(0.9, 0.95),
+                     help="AdamW's beta1,beta2 (MiniMind, torch's default: 0.9,0.999)")
     opt.add_argument("--seed", type=int, default=42)
     opt.add_argument("--max_bad_steps", type=int, default=5, help="abort after N consecutive non-finite steps")
 
@@ -89,6 +91,17 @@ def build_parser() -> argparse.ArgumentParser:
     # The legacy launcher passes --local-rank=N (older torch: --local_rank); LOCAL_RANK env wins.
     sys_.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int, default=None, help=argparse.SUPPRESS)
     return p
+
+
+def adam_betas(text: str) -> tuple[float, float]:
+    """argparse type of --adam_betas: 'B1,B2' with 0 <= B1, B2 < 1."""
+    try:
+        betas = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        betas = ()
+    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+        raise argparse.ArgumentTypeError(f"expected two numbers in [0, 1) as B1,B2 (e.g. 0.9,0.95), got {text!r}")
+    return betas
 
 
 # Model flags that the config stored beside --from_weight decides when they are not typed.

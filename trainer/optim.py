@@ -35,7 +35,8 @@ class OptimConfig:
     def from_args(cls, args, settings) -> "OptimConfig":
         """`settings`: the run's RunSettings (--optimizer and --dtype as resolved, never auto)."""
         return cls(optimizer=settings.optimizer, param_groups=args.param_groups, lr=args.learning_rate,
-                   weight_decay=args.weight_decay, muon_lr=args.muon_lr, muon_momentum=args.muon_momentum,
+                   weight_decay=args.weight_decay, betas=args.adam_betas, muon_lr=args.muon_lr,
+                   muon_momentum=args.muon_momentum,
                    ns_dtype="bfloat16" if settings.dtype == "bfloat16" else "float32",
                    compile_ns=settings.device_type == "cuda")
 
