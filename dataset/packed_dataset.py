@@ -5,7 +5,8 @@ flat token stream on disk, served as fixed-length windows with no padding at all
 On disk:
     corpus.bin       the stream, BOS + tokens + EOS per document, concatenated (uint16 or uint32)
     corpus.bin.json  sidecar: {"format": "minimind-packed-v1", "dtype", "vocab_size", "num_tokens",
-                     "num_docs", "bos_token_id", "eos_token_id", "tokenizer"}
+                     "num_docs", "bos_token_id", "eos_token_id", "tokenizer"}, and from prepare_data.py
+                     also "max_token_id" with the .bin's size and mtime when it was counted
 
 Window i is stream[i*T : i*T + T + 1]. Consecutive windows share one boundary token, so every
 token of the stream except the very first is a prediction target exactly once.
@@ -41,8 +42,10 @@ def dtype_for_vocab(vocab_size):
 
 
 def write_meta(bin_path, *, vocab_size, num_tokens, num_docs, bos_token_id, eos_token_id,
-               tokenizer, dtype=None):
-    """Write the JSON sidecar next to bin_path and return the dict written."""
+               tokenizer, dtype=None, max_token_id=None):
+    """Write the JSON sidecar next to the finished bin_path and return the dict written.
+    max_token_id (the writer saw every token) is stamped with the file's size and mtime, so a
+    reader trusts it only for the very file it was counted on."""
     meta = {
         "format": FORMAT,
         "dtype": dtype or dtype_for_vocab(vocab_size),
@@ -53,6 +56,9 @@ def write_meta(bin_path, *, vocab_size, num_tokens, num_docs, bos_token_id, eos_
         "eos_token_id": int(eos_token_id),
         "tokenizer": str(tokenizer),
     }
+    if max_token_id is not None:
+        stat = os.stat(bin_path)
+        meta.update(max_token_id=int(max_token_id), bin_bytes=stat.st_size, bin_mtime_ns=stat.st_mtime_ns)
     with open(meta_path(bin_path), "w") as f:
         json.dump(meta, f, indent=2)
         f.write("\n")
@@ -113,6 +119,9 @@ class PackedPretrainDataset(Dataset):
         self.max_length = max_length
         self.meta = meta
         check_fits(name, meta, max_length, vocab_size, tokenizer)
+        if vocab_size is not None:
+            for path, _ in shards:
+                check_token_ids(path, DTYPES[meta["dtype"]], vocab_size)
         self.shard_paths = [str(path) for path, _ in shards]
         # shard s holds stream positions [starts[s], starts[s + 1])
         self._starts = np.concatenate([[0], np.cumsum([n for _, n in shards], dtype=np.int64)])
@@ -167,6 +176,31 @@ class PackedPretrainDataset(Dataset):
         state = self.__dict__.copy()
         state["_open"], state["_open_pid"] = OrderedDict(), None
         return state
+
+
+def largest_token_id(bin_path, dtype, chunk=1 << 26) -> int:
+    """The largest id in a .bin: the sidecar's count when it was made for this very file (same
+    size and mtime), else a scan of the file in chunks (about half a second per GB)."""
+    bin_path, side = Path(bin_path), meta_path(bin_path)
+    stat = bin_path.stat()
+    try:
+        meta = json.loads(side.read_text())
+        if (meta.get("bin_bytes"), meta.get("bin_mtime_ns")) == (stat.st_size, stat.st_mtime_ns):
+            return int(meta["max_token_id"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    tokens = np.memmap(bin_path, dtype=dtype, mode="r")
+    return max((int(tokens[i:i + chunk].max()) for i in range(0, len(tokens), chunk)), default=-1)
+
+
+def check_token_ids(bin_path, dtype, vocab_size):
+    """Every id in the file fits the model's embedding: a larger one would fail mid-run (on CUDA
+    as a device-side assert that kills the process)."""
+    largest = largest_token_id(bin_path, dtype)
+    if largest >= vocab_size:
+        raise DataError(f"{bin_path}: holds token id {largest}, but the model's vocab_size is {vocab_size} "
+                        f"(ids 0 to {vocab_size - 1}); re-run scripts/prepare_data.py with the model's "
+                        f"tokenizer, or train with a larger --vocab_size")
 
 
 def check_fits(name, meta, max_length, vocab_size=None, tokenizer=None):

@@ -34,7 +34,7 @@ class StreamWriter:
     def __init__(self, out_path, common):
         self.out_path, self.common = Path(out_path), common
         self.tmp = self.out_path.with_name(self.out_path.name + ".tmp")
-        self.file, self.num_tokens, self.num_docs = None, 0, 0
+        self.file, self.num_tokens, self.num_docs, self.max_token_id = None, 0, 0, -1
 
     def start_input(self, index):
         if self.file is None:
@@ -45,6 +45,7 @@ class StreamWriter:
         tokens.tofile(self.file)
         self.num_tokens += len(tokens)
         self.num_docs += len(doc_lens)
+        self.max_token_id = max(self.max_token_id, int(tokens.max()) if len(tokens) else -1)
 
     def finish_input(self, index):
         pass
@@ -55,7 +56,8 @@ class StreamWriter:
             raise DataError(f"{self.out_path}: every non-blank line of the input is bad, nothing to write; "
                             f"fix the input or pass other files")
         self.file.close()
-        write_meta(self.tmp, num_tokens=self.num_tokens, num_docs=self.num_docs, **self.common)
+        write_meta(self.tmp, num_tokens=self.num_tokens, num_docs=self.num_docs, max_token_id=self.max_token_id,
+                   **self.common)
         os.replace(self.tmp, self.out_path)
         os.replace(meta_path(self.tmp), meta_path(self.out_path))
 
@@ -80,7 +82,7 @@ class ShardDirectory:
         self._check_plan({"inputs": [[p.name, p.stat().st_size] for _, p in inputs],
                           **{k: common[k] for k in SHARED_KEYS},
                           "shard_tokens": shard_tokens, "text_column": text_column})
-        self.file, self.parts = None, []
+        self.file, self.parts, self.max_token_ids = None, [], {}
 
     def _check_plan(self, plan):
         path = self.prep / "plan.json"
@@ -112,7 +114,7 @@ class ShardDirectory:
         self._record(index).unlink(missing_ok=True)
         for stale in self.dir.glob(f"{index:05d}-*"):
             stale.unlink()
-        self.index, self.parts, self.file = index, [], None
+        self.index, self.parts, self.file, self.max_token_ids = index, [], None, {}
 
     def write(self, tokens, doc_lens):
         while len(doc_lens):
@@ -124,6 +126,8 @@ class ShardDirectory:
                 take_docs = min(take_docs, int(np.searchsorted(ends, self.shard_tokens - part["num_tokens"])) + 1)
             take = int(doc_lens[:take_docs].sum())
             tokens[:take].tofile(self.file)
+            if take:
+                self.max_token_ids[part["path"]] = max(self.max_token_ids.get(part["path"], -1), int(tokens[:take].max()))
             part["num_tokens"] += take
             part["num_docs"] += take_docs
             tokens, doc_lens = tokens[take:], doc_lens[take_docs:]
@@ -147,7 +151,8 @@ class ShardDirectory:
         for part in self.parts:
             final = self.dir / part["path"]
             tmp = final.with_name(final.name + ".tmp")
-            write_meta(tmp, num_tokens=part["num_tokens"], num_docs=part["num_docs"], **self.common)
+            write_meta(tmp, num_tokens=part["num_tokens"], num_docs=part["num_docs"],
+                       max_token_id=self.max_token_ids.get(part["path"], -1), **self.common)
             os.replace(meta_path(tmp), meta_path(final))
             os.replace(tmp, final)
         write_json_atomic(self._record(index), {"source": self.inputs[index].name, "shards": self.parts})

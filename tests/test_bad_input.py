@@ -11,6 +11,7 @@ traceback of torchrun's frames) and rc 1; the workers exit 2.
 """
 import os
 
+import numpy as np
 import pytest
 
 from tests.fault_helpers import error_lines, job, outputs_digest, run_all, worker_tracebacks
@@ -26,7 +27,19 @@ DATA = {
     "fewer_than_a_batch": (b'{"text": "one"}\n{"text": "two"}\n{"text": "three"}\n',
                            "--data_path {data}: 3 training samples, fewer than one global batch of {batch} "
                            "(--batch_size 4 x {nproc} processes x 1 accumulation steps)"),
+    # a packed file (written by write_bin) with an id past the model's 6400: found at open, not at the batch
+    "bin_id_past_vocab": ("write_bin", "data.bin: holds token id 7000, but the model's vocab_size is 6400"),
 }
+
+
+def write_bin(path):
+    from dataset.packed_dataset import write_meta
+
+    tokens = np.full(4096, 9, dtype=np.uint16)
+    tokens[3000] = 7000
+    tokens.tofile(path)
+    write_meta(path, vocab_size=6400, num_tokens=len(tokens), num_docs=1, bos_token_id=1, eos_token_id=2,
+               tokenizer="hand-made")
 FLAGS = {
     "batch_size_0": (["--batch_size", "0"], "--batch_size must be at least 1, got 0"),
     "accumulation_steps_0": (["--accumulation_steps", "0"], "--accumulation_steps must be at least 1, got 0"),
@@ -57,9 +70,11 @@ def prepare(root, case, nproc):
     run = root / case
     if case in DATA:
         content, message = DATA[case]
-        data = root / f"{case}_data" / "data.jsonl"
+        data = root / f"{case}_data" / ("data.bin" if content == "write_bin" else "data.jsonl")
         data.parent.mkdir()
-        if content is not None:
+        if content == "write_bin":
+            write_bin(data)
+        elif content is not None:
             data.write_bytes(content)
         # --save_interval 1: any step that slipped through would write (and rotate) checkpoints.
         flags = [*TINY, *out_args(run), "--data_path", str(data), "--max_steps", "2", "--save_interval", "1"]

@@ -1,5 +1,7 @@
 """Packed token stream: window layout, prepare_data.py round trip, load-time checks."""
 
+import json
+import os
 import subprocess
 import sys
 
@@ -9,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from dataset.lm_dataset import DataError
-from dataset.packed_dataset import PackedPretrainDataset, dtype_for_vocab, read_meta, write_meta
+from dataset.packed_dataset import PackedPretrainDataset, dtype_for_vocab, meta_path, read_meta, write_meta
 from scripts.prepare_data import prepare
 from tests import helpers_data
 from tests.launch_utils import REPO_ROOT
@@ -149,3 +151,45 @@ def test_packed_through_dataloader_workers(tmp_path):
     expected = torch.stack([ds[i][1] for i in range(len(ds))])
     got = torch.cat([labels for _, labels in DataLoader(ds, batch_size=3, num_workers=2)])
     assert torch.equal(got, expected)
+
+
+# ---------------------------------------------------------------------------- token ids that do not fit
+def test_a_token_id_past_the_models_vocab_is_one_line_at_open(tmp_path):
+    stream = np.full(500, 7)
+    stream[321] = 450  # the sidecar says vocab 6400; the model has 400 ids
+    path = write_stream(tmp_path / "s.bin", stream, vocab_size=400)
+    with pytest.raises(DataError) as info:
+        PackedPretrainDataset(path, max_length=16, vocab_size=400)
+    assert str(info.value).startswith(f"{path}: holds token id 450, but the model's vocab_size is 400 (ids 0 to 399)")
+    assert PackedPretrainDataset(path, max_length=16, vocab_size=451)  # it fits a larger embedding
+
+
+def test_the_recorded_largest_id_is_trusted_only_for_the_file_it_was_counted_on(tmp_path):
+    from dataset.packed_dataset import largest_token_id
+
+    path = write_stream(tmp_path / "s.bin", np.arange(3, 103))
+    meta = json.loads(meta_path(path).read_text())
+    assert "max_token_id" not in meta  # a sidecar from before the field (or hand-made): the file is scanned
+    assert largest_token_id(path, np.uint16) == 102
+    stat = path.stat()
+    meta.update(max_token_id=5, bin_bytes=stat.st_size, bin_mtime_ns=stat.st_mtime_ns)  # a (false) record
+    meta_path(path).write_text(json.dumps(meta))
+    assert largest_token_id(path, np.uint16) == 5  # stamped for this very file: trusted, no scan
+    tokens = np.memmap(path, dtype=np.uint16, mode="r+")
+    tokens[0] = 399  # edited in place: same size, a new mtime
+    tokens.flush()
+    del tokens
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    assert largest_token_id(path, np.uint16) == 399
+
+
+def test_prepare_data_records_the_largest_id_of_every_file(tmp_path, tok_dir):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"line {i} of text"}) + "\n" for i in range(20)))
+    prepare(corpus, tmp_path / "c.bin", num_proc=1, tokenizer_path=tok_dir)
+    meta = json.loads(meta_path(tmp_path / "c.bin").read_text())
+    tokens = np.fromfile(tmp_path / "c.bin", dtype=np.uint16)
+    assert meta["max_token_id"] == tokens.max() and meta["bin_bytes"] == tokens.nbytes
+    prepare(corpus, tmp_path / "shards", num_proc=1, tokenizer_path=tok_dir)
+    for shard in (tmp_path / "shards").glob("*.bin"):
+        assert json.loads(meta_path(shard).read_text())["max_token_id"] == np.fromfile(shard, dtype=np.uint16).max()

@@ -4,6 +4,7 @@ And DataLoader workers: the longest temp folder they can work in, and a worker t
 stops delivering ends the rank instead of hanging it. And what the launched tests count
 as a worker's traceback."""
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -16,7 +17,8 @@ from torch.utils.data import Dataset, SequentialSampler
 
 from common.errors import UserError
 from tests.fault_helpers import fault_env as fault, worker_tracebacks
-from trainer.data import make_train_loader
+from tests.launch_utils import REPO_ROOT
+from trainer.data import LoaderStalled, delivered_batches, make_train_loader
 from trainer.preflight import MAX_WORKER_TMPDIR, check_worker_tmpdir
 from trainer.resilience import FaultPlan
 
@@ -55,6 +57,38 @@ def test_a_worker_that_stops_delivering_fails_the_rank_after_dist_timeout():
     loader = make_train_loader(Stalls(), SequentialSampler(range(4)), args, pin_memory=False)
     with pytest.raises(RuntimeError, match="DataLoader timed out after 0.5 seconds"):
         next(iter(loader))
+    with pytest.raises(LoaderStalled) as info:  # as the training loop reads it: one line naming the flag
+        next(delivered_batches(loader, args.dist_timeout, rank=1))
+    assert str(info.value).startswith("rank 1: no batch from its DataLoader worker within --dist_timeout 0.5 s")
+    assert len(str(info.value).splitlines()) == 1
+
+
+class Dies(Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's out-of-memory killer does
+
+
+def test_a_worker_that_dies_is_one_line_naming_what_to_check():
+    args = SimpleNamespace(batch_size=1, num_workers=1, dist_timeout=30)
+    loader = make_train_loader(Dies(), SequentialSampler(range(4)), args, pin_memory=False)
+    with pytest.raises(LoaderStalled, match=r"^rank 0: a DataLoader worker died \(DataLoader worker \(pid"):
+        next(delivered_batches(loader, args.dist_timeout, rank=0))
+
+
+def test_the_stalled_rank_itself_prints_the_line_and_exits_1(tmp_path):
+    """A rank that is not rank 0 (nor a node's first) says its own problem: nobody else knows it."""
+    code = f"""if True:
+        import os, sys
+        sys.path.insert(0, {str(REPO_ROOT)!r})
+        os.environ.update(RANK="1", LOCAL_RANK="1")
+        from trainer.distributed import fail
+        fail("rank 1: no batch from its DataLoader worker", code=1, this_rank_only=True)
+    """
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and result.stderr.strip() == "error: rank 1: no batch from its DataLoader worker"
 
 
 @pytest.mark.parametrize("extra, works", [(0, True), (1, False)])

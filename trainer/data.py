@@ -104,6 +104,28 @@ def make_train_loader(dataset, sampler, args, pin_memory: bool) -> DataLoader:
     )
 
 
+class LoaderStalled(RuntimeError):
+    """This rank's DataLoader stopped delivering: one line, said by this rank (the others only
+    see a lost peer)."""
+
+
+def delivered_batches(loader, dist_timeout: float, rank: int):
+    """The loader's batches, with its two failures of a worker process each turned into one line."""
+    try:
+        yield from loader  # iter(loader) too waits for workers (persistent ones are resumed)
+    except RuntimeError as exc:
+        if "DataLoader timed out" in str(exc):
+            raise LoaderStalled(
+                f"rank {rank}: no batch from its DataLoader worker within --dist_timeout {dist_timeout:g} s "
+                f"(a worker that hangs, or waits on a slow file system): check the data's disk and the "
+                f"workers' memory, raise --dist_timeout, or pass --num_workers 0") from None
+        if "exited unexpectedly" in str(exc):
+            raise LoaderStalled(
+                f"rank {rank}: a DataLoader worker died ({str(exc).splitlines()[0][:120]}): often the kernel's "
+                f"out-of-memory killer; check `dmesg`, lower --num_workers or --batch_size") from None
+        raise
+
+
 def make_val_loader(val_set, args, rank: int, world_size: int, pin_memory: bool) -> DataLoader:
     """A fixed slice of the validation set, strided over ranks without padding, so no
     sample is counted twice; every rank gets as many batches (FSDP needs all of them in

@@ -185,17 +185,18 @@ def Logger(*content, **kwargs):
         print(*content, **kwargs, flush=True)
 
 
-def fail(message: str, code: int = 2):
-    """Report a user error in one line and exit non-zero on every rank.
+def fail(message: str, code: int = 2, this_rank_only: bool = False):
+    """Report a problem in one line and exit non-zero.
 
-    Rank 0 prints it, and so does the first process of every other node, since a
-    problem can be local to a node (a file missing there). The rest wait a moment
-    before exiting: torchrun tears the whole group down when any rank exits, and rank
-    0 must get its line out first.
+    A problem every rank meets (bad flags, bad data): rank 0 prints it, and so does the
+    first process of every other node, since a problem can be local to a node (a file
+    missing there). The rest wait a moment before exiting: torchrun tears the whole
+    group down when any rank exits, and rank 0 must get its line out first.
+    `this_rank_only`: a problem of this rank alone, which then says it itself.
     """
     # Before the process group exists (flag checks come first) the launcher's RANK says who speaks.
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
-    if rank == 0 or os.environ.get("LOCAL_RANK") == "0":
+    if rank == 0 or os.environ.get("LOCAL_RANK") == "0" or this_rank_only:
         print(f"error: {message}", file=sys.stderr, flush=True)
     else:
         time.sleep(1.0)

@@ -30,7 +30,8 @@ from trainer.checkpoint import (  # noqa: E402
     load_latest_checkpoint, restore_model_and_optimizer, restore_rng_state, save_checkpoint,
 )
 from trainer.data import (  # noqa: E402
-    ResumableDistributedSampler, build_data, make_train_loader, make_val_loader, to_targets,
+    LoaderStalled, ResumableDistributedSampler, build_data, delivered_batches, make_train_loader, make_val_loader,
+    to_targets,
 )
 from trainer.distributed import (  # noqa: E402
     Logger, all_reduce_sum, barrier, cleanup_distributed, exit_peer_lost, fail, init_distributed_mode,
@@ -122,6 +123,8 @@ def main(argv=None):
         exit_code = train(args, env)
     except UserError as exc:  # DataError and WeightsError are UserErrors too
         fail(str(exc))
+    except LoaderStalled as exc:
+        fail(str(exc), code=1, this_rank_only=True)
     except BaseException as exc:
         if env.distributed and peer_lost(exc):
             exit_peer_lost(exc, bool(args.from_resume))
@@ -284,7 +287,7 @@ def train(args, env) -> int:
             where = plan.position(state.global_step)
             sampler.set_epoch(where.epoch)
             sampler.set_start(where.sampler_start)
-            batches = iter(loader)
+            batches = delivered_batches(loader, args.dist_timeout, rank)
             for _ in range(min(plan.steps_per_epoch - where.step_in_epoch, total_steps - state.global_step)):
                 faults.crash_before(state.global_step, rank)
                 profiling.step_begins(state.global_step + 1)
