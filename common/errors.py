@@ -1,8 +1,8 @@
-"""The user-error type every layer raises, and the wrapper that turns it into one line.
+"""The user-error types every layer raises, and the wrapper that turns one into one line.
 
 A UserError's text is one line that names the culprit (a flag, a file and line) and
-says what to do. model/ and dataset/ raise their own subclasses (WeightsError,
-DataError); a script's main() reports any of them the same way.
+says what to do. dataset/ raises DataError, model/ WeightsError; a script's main()
+reports any of them the same way.
 """
 import functools
 import sys
@@ -10,6 +10,14 @@ import sys
 
 class UserError(Exception):
     """Bad flags or files: str(e) is one line, printed by the script, which then exits with code 2."""
+
+
+class DataError(UserError, ValueError):
+    """A problem with the input data (a file and line, or a packed file's contents)."""
+
+
+class WeightsError(UserError, ValueError):
+    """Bad weights, an exported folder or flags that do not fit them."""
 
 
 def report_user_errors(main):

@@ -18,14 +18,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from common.errors import UserError
+from common.errors import DataError
 
 EXPECTED = 'each line must be a JSON object like {"text": "..."}'
 NEEDS_DATA = 'pass --data_path a .jsonl file with one {"text": "..."} object per line'
-
-
-class DataError(UserError, ValueError):
-    """A problem with the input data. str(e) is one line that stands on its own."""
 
 
 # -----------------------------------------------------------------------------
@@ -127,10 +123,9 @@ def iter_jsonl_texts(path):
 class PretrainDataset(Dataset):
     """
     One sample per JSONL line: [bos] + tokens + [eos], truncated to max_length and right-padded.
-    labels are the input ids with -100 on padding; they are NOT shifted (the model shifts).
+    labels are the input ids with -100 on padding; they are NOT shifted (MiniMind's layout:
+    the model shifts). The trainer reads it through NextTokenTargets.
     """
-
-    labels_are_shifted = False
 
     def __init__(self, data_path, tokenizer, max_length):
         if max_length < 2:
@@ -184,6 +179,23 @@ class PretrainDataset(Dataset):
         state["_file"] = None
         state["_file_pid"] = None
         return state
+
+
+class NextTokenTargets(Dataset):
+    """A dataset of (input_ids, labels) in MiniMind's layout as (input_ids, next-token targets):
+    targets[t] is the token after input_ids[t], -100 where there is none to predict. Every
+    dataset the trainer reads yields this layout (a packed window's is already), so nothing
+    downstream asks which kind of data it has."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        input_ids, labels = self.dataset[index]
+        return input_ids, torch.cat([labels[1:], labels.new_full((1,), -100)])
 
 
 def _special_ids(tokenizer):

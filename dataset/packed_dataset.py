@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from dataset.lm_dataset import DataError
+from common.errors import DataError
 
 FORMAT = "minimind-packed-v1"
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -99,14 +99,12 @@ def read_meta(bin_path):
 
 
 class PackedPretrainDataset(Dataset):
-    """Non-overlapping windows of max_length+1 tokens; labels come already shifted, no -100.
+    """Non-overlapping windows of max_length+1 tokens as (input_ids, next-token targets), no -100.
 
     The stream may be split over several shards (see dataset/shards.py): they are read as
     one stream, so a window may begin in one shard and end in the next. Shards are
     memory-mapped lazily, in each process, and at most `max_open` at a time.
     """
-
-    labels_are_shifted = True
 
     def __init__(self, bin_path, max_length, vocab_size=None, tokenizer=None):
         meta = read_meta(bin_path)

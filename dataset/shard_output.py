@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dataset.lm_dataset import DataError
+from common.errors import DataError
 from dataset.packed_dataset import DTYPES, meta_path, write_meta
 from dataset.shards import PREP_DIR, SHARED_KEYS, write_json_atomic, write_manifest
 

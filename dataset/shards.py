@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from common.atomic import atomic_write_text
-from dataset.lm_dataset import DataError
+from common.errors import DataError
 from dataset.packed_dataset import DTYPES, PackedPretrainDataset, read_meta
 from dataset.sources import resolve_data_paths
 

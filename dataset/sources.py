@@ -10,7 +10,8 @@ JSONL, file + row group + row for Parquet) so that a bad one can be named.
 import glob
 from pathlib import Path
 
-from dataset.lm_dataset import DataError, iter_raw_lines, parse_line
+from common.errors import DataError
+from dataset.lm_dataset import iter_raw_lines, parse_line
 
 GLOB_CHARS = "*?["
 TEXT_SUFFIXES = (".jsonl", ".parquet")

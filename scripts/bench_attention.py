@@ -50,7 +50,7 @@ def packed_ids(batch, seq_len, device):
 
 
 def sync(device):
-    if device.startswith("cuda"):
+    if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
 
 
@@ -143,7 +143,7 @@ def print_table(rows, args, dtype):
 
 def main(argv=None):
     args = parse_args(argv)
-    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
+    dtype = getattr(torch, args.dtype or ("bfloat16" if torch.device(args.device).type == "cuda" else "float32"))
     rows = []
     for hidden in map(int, args.hidden_sizes.split(",")):
         for seq_len in map(int, args.seq_lens.split(",")):

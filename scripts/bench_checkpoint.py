@@ -3,15 +3,17 @@
 A save is what train_pretrain.py does at --save_interval: the finiteness check of the
 weights, the half-precision .pth for inference, and the resume checkpoint (fp32
 weights + AdamW state, its sha256 record, the `latest` link). Each code version runs
-in its own process, with its own copy of trainer/, model/ and dataset/ (`--before`
+in its own process, with its own copy of common/, trainer/, model/ and dataset/ (`--before`
 is exported from git), on the same model and the same disk:
 
     python scripts/bench_checkpoint.py                          # 64M model, before = main
-    python scripts/bench_checkpoint.py --before e86c4c1 --rounds 3
+    python scripts/bench_checkpoint.py --before HEAD~3 --rounds 3
     python scripts/bench_checkpoint.py --hidden_size 64 --num_hidden_layers 2 --rounds 1   # smoke test
 
 One process on CPU, no process group: the cost measured is rank 0's, which is what
-every other rank waits for.
+every other rank waits for. The worker drives trainer/checkpoint.py's CheckpointManager,
+so --before takes revisions that have it (the tables of earlier revisions were measured
+with their own version of this script).
 """
 import argparse
 import json
@@ -33,9 +35,9 @@ def worker(tree: str, args):
     import torch
 
     from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-    from trainer.checkpoint import save_checkpoint
-    from trainer.parallel import weights_finite
-    from trainer.train_pretrain import save_weights
+    from trainer.checkpoint import CheckpointManager
+    from trainer.stateful import ModelState
+    from trainer.train_state import StepPlan, TrainState
 
     torch.manual_seed(0)
     config = MiniMindConfig(hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers, vocab_size=6400)
@@ -45,35 +47,35 @@ def worker(tree: str, args):
         p.grad = torch.randn_like(p) * 1e-3
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    weights = ModelState(model, optimizer)
 
     with tempfile.TemporaryDirectory(dir=args.dir) as out:
-        flags = argparse.Namespace(save_dir=os.path.join(out, "out"))
         prefix = f"bench_{args.hidden_size}"
+        weights_path = os.path.join(out, "out", f"{prefix}.pth")
         times = {part: [] for part in PARTS}
         cpu_seconds = []
         for step in range(1, args.repeats + 1):
-            state = {"scaler": {}, "global_step": step, "epoch": 0, "step_in_epoch": step, "samples_per_step": 8,
-                     "world_size": 1, "tokens_seen": step * 1000, "wandb_run_id": None,
-                     "model_config": config.to_dict()}
+            state = TrainState(StepPlan(8, 1, 1, 10**6, 10**6), global_step=step, tokens_seen=step * 1000)
+            manager = CheckpointManager(os.path.join(out, "ckpt"), prefix, config.to_dict(), weights,
+                                        {"train_state": state}, keep_last=1)
             c0, t0 = time.process_time(), time.perf_counter()
-            assert weights_finite(model)
+            assert weights.finite()
             t1 = time.perf_counter()
-            save_weights(model, flags, prefix)
+            weights.export(weights_path)
             t2 = time.perf_counter()
-            path = save_checkpoint(state, model, optimizer, os.path.join(out, "ckpt"), prefix, keep_last=1)
+            path = manager.save(step)  # checks finiteness again: counted once, below
             t3, c3 = time.perf_counter(), time.process_time()
-            for part, seconds in zip(PARTS, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
+            for part, seconds in zip(PARTS, (t1 - t0, t2 - t1, t3 - t2 - (t1 - t0), t3 - t0 - (t1 - t0))):
                 times[part].append(seconds)
             cpu_seconds.append(c3 - c0)
-        sizes = {"weights_mb": os.path.getsize(os.path.join(out, "out", f"{prefix}.pth")) / 1e6,
-                 "checkpoint_mb": os.path.getsize(path) / 1e6}
+        sizes = {"weights_mb": os.path.getsize(weights_path) / 1e6, "checkpoint_mb": os.path.getsize(path) / 1e6}
     params = sum(p.numel() for p in model.parameters())
     print(json.dumps({"params": params, **sizes, **times, "cpu": cpu_seconds}))
 
 
 def export(ref: str, dest: Path) -> Path:
-    """trainer/, model/ and dataset/ as of git `ref`, unpacked into dest."""
-    archive = subprocess.run(["git", "-C", str(REPO_ROOT), "archive", ref, "trainer", "model", "dataset"],
+    """common/, trainer/, model/ and dataset/ as of git `ref`, unpacked into dest."""
+    archive = subprocess.run(["git", "-C", str(REPO_ROOT), "archive", ref, "common", "trainer", "model", "dataset"],
                              check=True, capture_output=True).stdout
     dest.mkdir(parents=True)
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)

@@ -21,7 +21,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from model.weights import run_prefix  # noqa: E402
+from trainer.run_files import run_prefix  # noqa: E402
 
 
 def parse_args():
@@ -54,7 +54,7 @@ def one_step(args):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     result = {"s_per_step": (time.time() - start) / 2}
-    if args.device.startswith("cuda"):
+    if torch.device(args.device).type == "cuda":
         result["cuda_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
     print(json.dumps(result))
 

@@ -37,7 +37,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from dataset.demo_corpus import DEMO_CORPUS  # noqa: E402
-from model.weights import run_prefix  # noqa: E402
+from trainer.run_files import run_prefix  # noqa: E402
 from trainer.cli import OneLineArgumentParser  # noqa: E402
 
 VARIANTS = {

@@ -20,12 +20,14 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import torch
 
-from common.errors import UserError, report_user_errors
+from common.errors import WeightsError, report_user_errors
 from dataset.lm_dataset import frame_document, iter_jsonl_texts, load_tokenizer
 from dataset.token_bytes import bits_per_byte, target_bytes, token_byte_lengths
-from model.weights import SHAPE_FLAGS, WeightsError, default_weight_path, flag_default, load_model
+from model.shape_flags import SHAPE_FLAGS, flag_default
+from model.weights import load_model
 from trainer.cli import OneLineArgumentParser
-from trainer.preflight import check_device
+from trainer.device import resolve_device
+from trainer.run_files import default_weight_path
 
 
 class TextStreamer:
@@ -155,7 +157,7 @@ def parse_args(argv=None):
     p.add_argument("--top_k", type=int, default=0, help="0 disables top-k filtering")
     p.add_argument("--do_sample", type=int, choices=(0, 1), default=1, help="1 samples, 0 is greedy")
     p.add_argument("--greedy", dest="do_sample", action="store_const", const=0, help="same as --do_sample 0")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda[:N]")
+    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda:0 where there is a GPU, else cpu)")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--ppl_data", help="held-out .jsonl ({\"text\": ...} per line) to measure perplexity on")
     p.add_argument("--ppl_max_docs", type=int, default=None, help="only the first N documents")
@@ -177,10 +179,6 @@ def parse_args(argv=None):
         p.error(f"--temperature must be a finite number >= 0 (0 is greedy), got {args.temperature}")
     if not 0 < args.top_p <= 1:
         p.error(f"--top_p must be in (0, 1] (1 turns it off), got {args.top_p}")
-    try:
-        check_device(args.device)
-    except UserError as e:
-        p.error(str(e))
     if not (args.prompt or args.ppl_data or sys.stdin.isatty()):
         p.error("nothing to do: pass --prompt TEXT or --ppl_data FILE.jsonl (or run in a terminal to chat)")
     return args
@@ -198,6 +196,7 @@ def tokenizer_for(args):
 @report_user_errors
 def main(argv=None):
     args = parse_args(argv)
+    device = resolve_device(args.device)
     tokenizer = tokenizer_for(args)
     flags = {name: getattr(args, name) for name in SHAPE_FLAGS}
     weight_path = args.weight_path
@@ -207,7 +206,7 @@ def main(argv=None):
     if len(tokenizer) > model.config.vocab_size:
         raise WeightsError(f"{tokenizer.name_or_path}: tokenizer has {len(tokenizer)} tokens but the model only "
                            f"{model.config.vocab_size}: pass --tokenizer_path the tokenizer it was trained with")
-    model.to(args.device)
+    model.to(device)
     torch.manual_seed(args.seed)
     if args.ppl_data:
         docs, tokens, loss, bpb = perplexity(model, tokenizer, args.ppl_data, args.ppl_max_docs, args.max_seq_len)

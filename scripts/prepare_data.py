@@ -31,8 +31,8 @@ sys.path.insert(0, str(REPO_ROOT))
 import numpy as np
 from tqdm import tqdm
 
-from common.errors import report_user_errors
-from dataset.lm_dataset import DataError, iter_raw_lines, load_tokenizer
+from common.errors import DataError, report_user_errors
+from dataset.lm_dataset import iter_raw_lines, load_tokenizer
 from dataset.packed_dataset import DTYPES, dtype_for_vocab
 from dataset.sources import TEXT_SUFFIXES, decode_record, is_parquet, read_chunks, resolve_data_paths
 from dataset.shard_output import ShardDirectory, StreamWriter

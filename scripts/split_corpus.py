@@ -20,8 +20,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from common.errors import report_user_errors  # noqa: E402
-from dataset.lm_dataset import DataError, iter_raw_lines  # noqa: E402
+from common.errors import DataError, report_user_errors  # noqa: E402
+from dataset.lm_dataset import iter_raw_lines  # noqa: E402
 
 
 def split_corpus(data_path, train_out, val_out, every=50):

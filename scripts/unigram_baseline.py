@@ -23,8 +23,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import numpy as np  # noqa: E402
 
-from common.errors import report_user_errors  # noqa: E402
-from dataset.lm_dataset import DataError  # noqa: E402
+from common.errors import DataError, report_user_errors  # noqa: E402
 from dataset.packed_dataset import DTYPES, read_meta  # noqa: E402
 
 

@@ -17,7 +17,7 @@ import torch  # noqa: E402
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
 from trainer.step import StepContext, optimizer_step  # noqa: E402
-from trainer.trainer_utils import cleanup_distributed, init_distributed_mode  # noqa: E402
+from trainer.distributed import cleanup_distributed, init_distributed_mode  # noqa: E402
 
 GLOBAL_BATCH, SEQ = 8, 32
 

@@ -23,11 +23,6 @@ class Finished:
     seconds: float
 
 
-def fault_env(kind, at, rank) -> dict:
-    """The environment that makes rank `rank` misbehave (`kind`, see trainer/resilience.py) at step `at`."""
-    return {"MINIMIND_FAULT_AT_STEP": str(at), "MINIMIND_FAULT_RANK": str(rank), "MINIMIND_FAULT_KIND": kind}
-
-
 def job(nproc, args, run_dir, env=None, launcher="torchrun", launcher_args=()) -> tuple:
     """A training job for run_all. launcher "torchrun": plain `python` for one process,
     else torchrun (`launcher_args` are torchrun's own flags, e.g. --max-restarts=3);

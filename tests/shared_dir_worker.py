@@ -13,7 +13,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.preflight import check_output_dirs  # noqa: E402
-from trainer.trainer_utils import UserError, cleanup_distributed, init_distributed_mode  # noqa: E402
+from common.errors import UserError  # noqa: E402
+from trainer.distributed import cleanup_distributed, init_distributed_mode  # noqa: E402
 
 
 def decision(save_dir, checkpoint_dir, sharded):

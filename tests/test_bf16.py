@@ -8,7 +8,7 @@ In-process runs (tests/launch_utils.run_in_process) on the first documents of th
 """
 import pytest
 
-from tests.fault_helpers import fault_env
+from tests.fault_injection import fault_env
 from tests.launch_utils import (
     TINY, assert_bitwise_equal, assert_same_state, latest_checkpoint, out_args, read_metrics, small_corpus,
     train_in_process,

@@ -53,28 +53,33 @@ class FakeClock:
 
 def test_save_schedule_steps_and_minutes():
     clock = FakeClock()
-    saves = SaveSchedule(every_steps=100, every_minutes=1.0, check_every=10, clock=clock)
+    saves = SaveSchedule(every_steps=100, every_minutes=1.0, clock=clock)
     clock.now = 59.0
-    assert not saves.due(10)  # a minute has not passed
+    assert not saves.clock_asks()  # a minute has not passed
     clock.now = 61.0
-    assert not saves.due(11)  # it has, but the clock is looked at every 10 steps only
-    assert saves.due(20)
+    assert saves.clock_asks()
+    assert saves.due(11, asked=True) and not saves.due(11, asked=False)
     saves.saved()
     clock.now = 100.0
-    assert not saves.due(30)  # 39 s since that save
-    assert saves.due(100)  # the step interval holds regardless of the clock
-    assert not SaveSchedule(every_steps=100, clock=clock).due(10)  # no --save_every_minutes: steps only
+    assert not saves.clock_asks()  # 39 s since that save
+    assert saves.due(100, asked=False)  # the step interval holds regardless of the clock
+    assert not SaveSchedule(every_steps=100, clock=clock).clock_asks()  # no --save_every_minutes: steps only
+    clock.now = 1e6
+    assert not SaveSchedule(every_steps=100, every_minutes=1.0, is_main=False, clock=clock).clock_asks()
 
 
 def _schedule_worker(rank, tmp_dir):
+    """Two ranks, each with its own clock, run the step's agreement on what each asked."""
     dist.init_process_group("gloo", init_method=f"file://{tmp_dir}/init", rank=rank, world_size=2)
     clock = FakeClock()
-    saves = SaveSchedule(every_steps=1000, every_minutes=1.0, check_every=1, clock=clock)
+    saves = SaveSchedule(every_steps=1000, every_minutes=1.0, is_main=rank == 0, clock=clock)
     answers = []
     # Rank 1's clock says a minute passed long before rank 0's does: rank 0 decides.
     for step, (t0, t1) in enumerate([(10, 70), (30, 500), (61, 0), (62, 62)], start=1):
         clock.now = t0 if rank == 0 else t1
-        answers.append(saves.due(step))
+        asked = torch.tensor(float(saves.clock_asks()))
+        dist.all_reduce(asked)  # what trainer/step.py's flags tensor carries, with the rest
+        answers.append(saves.due(step, bool(asked.item())))
     torch.save(answers, f"{tmp_dir}/answers{rank}.pt")
     dist.destroy_process_group()
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from model.weights import hf_to_state_dict, load_model, load_weights
+from model.hf_format import hf_to_state_dict
+from model.weights import load_model, load_weights
 from scripts.convert_model import export_minimind, export_native, main, save_pth
 from tests.launch_utils import CLI_FLAGS, FLAGS, train_tiny
 

@@ -3,8 +3,9 @@ instead of reaching CUDA), and DDP's arguments on an older torch."""
 import pytest
 import torch
 
+from trainer.device import configure_cuda
+from trainer.distributed import init_distributed_mode
 from trainer.parallel import no_buffer_sync
-from trainer.train_pretrain import configure_cuda
 
 
 @pytest.fixture
@@ -16,19 +17,23 @@ def cuda_calls(monkeypatch):
     torch.set_float32_matmul_precision(precision)
 
 
-def test_single_process_on_cuda_n_makes_n_current_and_fp32_uses_tf32(cuda_calls):
+def test_a_single_process_on_cuda_n_makes_n_current(cuda_calls, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    env = init_distributed_mode(torch.device("cuda", 1))
+    assert cuda_calls == [1] and env.device == torch.device("cuda", 1)
+    assert init_distributed_mode(torch.device("cpu")).device.type == "cpu" and cuda_calls == [1]
+
+
+def test_an_fp32_cuda_run_uses_tf32(cuda_calls):
     torch.set_float32_matmul_precision("highest")
-    configure_cuda("cuda:1", torch.float32)
-    assert cuda_calls == [1]
+    configure_cuda(torch.device("cuda", 1), torch.float32)
     assert torch.get_float32_matmul_precision() == "high"
 
 
-@pytest.mark.parametrize("device, dtype, current", [("cuda", torch.bfloat16, []), ("cuda:0", torch.bfloat16, [0]),
-                                                    ("cpu", torch.float32, [])])
-def test_other_runs_keep_full_fp32_matmuls(cuda_calls, device, dtype, current):
+@pytest.mark.parametrize("device, dtype", [("cuda:0", torch.bfloat16), ("cpu", torch.float32)])
+def test_other_runs_keep_full_fp32_matmuls(cuda_calls, device, dtype):
     torch.set_float32_matmul_precision("highest")
-    configure_cuda(device, dtype)
-    assert cuda_calls == current
+    configure_cuda(torch.device(device), dtype)
     assert torch.get_float32_matmul_precision() == "highest"
 
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from dataset.lm_dataset import DataError, PretrainDataset, iter_jsonl_texts
+from common.errors import DataError
+from dataset.lm_dataset import PretrainDataset, iter_jsonl_texts
 from tests import helpers_data
 
 
@@ -20,7 +21,7 @@ def test_layout_bos_eos_pad_labels(tmp_path, tokenizer):
     ds = PretrainDataset(path, tokenizer, max_length=32)
     bos, eos, pad = tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
     assert (bos, eos, pad) == (1, 2, 0)
-    assert len(ds) == 2 and ds.labels_are_shifted is False
+    assert len(ds) == 2
     for i, text in enumerate(texts):
         input_ids, labels = ds[i]
         assert input_ids.shape == labels.shape == (32,)
@@ -30,6 +31,18 @@ def test_layout_bos_eos_pad_labels(tmp_path, tokenizer):
         assert input_ids.tolist() == real + [pad] * (32 - n)
         # labels are the ids themselves (the model shifts), with padding ignored
         assert labels.tolist() == real + [-100] * (32 - n)
+
+
+def test_the_trainer_reads_next_token_targets(tmp_path, tokenizer):
+    from dataset.lm_dataset import NextTokenTargets
+
+    path = helpers_data.write_jsonl(tmp_path / "data.jsonl", ["hello world"])
+    padded = PretrainDataset(path, tokenizer, max_length=16)
+    input_ids, targets = NextTokenTargets(padded)[0]
+    _, labels = padded[0]
+    assert torch.equal(input_ids, padded[0][0])
+    assert targets.tolist() == labels[1:].tolist() + [-100]  # the token after each position
+    assert len(NextTokenTargets(padded)) == len(padded)
 
 
 def test_truncation_keeps_bos_and_eos(tmp_path, tokenizer):

@@ -141,7 +141,7 @@ def test_a_node_that_joins_later_is_taken_in_at_the_next_restart(tmp_path, refer
 def test_peer_lost_recognises_gloo_and_distributed_errors_only():
     import torch.distributed as dist
 
-    from trainer.trainer_utils import peer_lost
+    from trainer.distributed import peer_lost
 
     gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
                         "[127.0.0.1]:5863: Connection reset by peer. This is typically caused by ...")
@@ -160,7 +160,7 @@ def test_a_new_group_ignores_the_store_address_a_dead_group_left():
 
     import torch.distributed as dist
 
-    from trainer.trainer_utils import group_store
+    from trainer.distributed import group_store
 
     timeout = timedelta(seconds=30)
     agent = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timeout, wait_for_workers=False)

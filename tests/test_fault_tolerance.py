@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.fault_helpers import assert_clean_exit, fault_env, job, run_all, worker_tracebacks
+from tests.fault_helpers import assert_clean_exit, job, run_all, worker_tracebacks
+from tests.fault_injection import fault_env
 from tests.forked_ranks import train_forked
 from tests.launch_utils import (
     PYTHON, TINY, TRAIN, assert_bitwise_equal, assert_same_state, children, latest_checkpoint, load_checkpoint,
@@ -261,7 +262,7 @@ def test_a_repeated_signal_is_an_echo_at_first_and_kills_later(tmp_path):
     code = f"""if True:
         import os, signal, sys, time
         sys.path.insert(0, {str(Path(TRAIN).parents[1])!r})
-        from trainer.resilience import PreemptionFlag
+        from trainer.preemption import PreemptionFlag
         flag = PreemptionFlag()
         flag.repeat_grace_s = 0.5
         flag.install()

@@ -15,7 +15,7 @@ from tests.launch_utils import CountHostReads, out_args, run_in_process, small_c
 from trainer.args import parse_args
 from trainer.step import read_flags
 from trainer.train_pretrain import train
-from trainer.trainer_utils import init_distributed_mode
+from trainer.distributed import init_distributed_mode
 
 FAR = "1000"  # log, save and eval intervals beyond the run: only the last step does them
 
@@ -33,7 +33,7 @@ def host_reads(data_path, run_dir, steps) -> int:
                        "--batch_size", "4", "--num_workers", "0", "--val_fraction", "0.05", "--eval_batches", "1",
                        "--device", "cpu", "--data_path", str(data_path), *out_args(run_dir), "--max_steps", str(steps),
                        "--log_interval", FAR, "--save_interval", FAR, "--eval_interval", FAR])
-    env = init_distributed_mode(args.device, args.local_rank, args.dist_timeout)
+    env = init_distributed_mode(args.device, args.dist_timeout, args.local_rank)
     with CountHostReads() as counter:
         done = run_in_process(lambda: sys.exit(train(args, env)), run_dir)
     assert done.returncode == 0, done.stdout[-3000:]

@@ -5,9 +5,11 @@ import signal
 import time
 
 import pytest
+import torch
 
 from tests.helpers_data import SAMPLE_TEXTS
 from trainer import metrics, train_pretrain
+from trainer.checkpoint import CheckpointManager
 from trainer.metrics import Throughput, device_peak_flops, peak_bf16_tflops
 
 # torch.cuda.get_device_name() strings, as the drivers report them.
@@ -43,8 +45,8 @@ def test_unknown_gpus_have_no_peak(name):
 
 
 def test_peak_override_and_cpu():
-    assert device_peak_flops("cpu") is None
-    assert device_peak_flops("cpu", override_tflops=100) == 100e12
+    assert device_peak_flops(torch.device("cpu")) is None
+    assert device_peak_flops(torch.device("cpu"), override_tflops=100) == 100e12
 
 
 class FakeClock:
@@ -55,20 +57,22 @@ class FakeClock:
         return self.now
 
 
-def test_throughput_leaves_paused_time_out(monkeypatch):
-    clock = FakeClock()
-    monkeypatch.setattr(metrics.time, "perf_counter", clock)
-    meter = Throughput(tokens_per_step=100)
+def test_one_clock_leaves_paused_time_out_of_training_time_and_rates(monkeypatch):
+    fake = FakeClock()
+    monkeypatch.setattr(metrics.time, "perf_counter", fake)
+    clock = metrics.TrainClock()
+    meter = Throughput(tokens_per_step=100, clock=clock)
     meter.add(real_tokens=80)
-    clock.now += 2  # training
-    with meter.paused():
-        clock.now += 50  # a validation or a save
-    with meter.paused(active=False):
-        clock.now += 0  # steps with neither: no clock read at all
+    fake.now += 2  # training
+    with clock.paused():
+        fake.now += 50  # a validation or a save
+    with clock.paused(active=False):
+        fake.now += 0  # steps with neither: no clock read at all
     meter.add(real_tokens=80)
-    clock.now += 2  # training
+    fake.now += 2  # training
+    assert (clock.training_seconds(), clock.wall_seconds()) == (4, 54)  # tokens/s and train_s; the ETA
     assert meter.report() == (200 / 4, 160 / 4)
-    clock.now += 1
+    fake.now += 1
     meter.add(real_tokens=100)
     assert meter.report() == (100, 100)  # report() starts the next interval
 
@@ -89,7 +93,7 @@ def test_trainer_rates_exclude_validation_and_checkpoint_time(tmp_path, monkeypa
         return wrapped
 
     monkeypatch.setattr(train_pretrain, "evaluate", slow(train_pretrain.evaluate))
-    monkeypatch.setattr(train_pretrain, "save_checkpoint", slow(train_pretrain.save_checkpoint))
+    monkeypatch.setattr(CheckpointManager, "save", slow(CheckpointManager.save))
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         with pytest.raises(SystemExit) as exit_:
@@ -111,3 +115,5 @@ def test_trainer_rates_exclude_validation_and_checkpoint_time(tmp_path, monkeypa
     # 128 tokens over the real time of 2 tiny steps (well under 60 s even on a busy machine).
     rates = [r["tokens_per_s"] for r in train_rows[1:]]
     assert all(rate > 128 / 60 for rate in rates), rates
+    # The same clock gives the validations' train_s, the x axis of time-to-loss plots.
+    assert all(r["train_s"] < 60 for r in rows if r["kind"] == "val"), rows

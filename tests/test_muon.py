@@ -10,6 +10,7 @@ from torch.optim._muon import _zeropower_via_newtonschulz as torch_newton_schulz
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.fault_helpers import assert_clean_exit
+from tests.fault_injection import fault_env
 from tests.forked_ranks import train_forked
 from tests.launch_utils import (
     REPO_ROOT, TINY, assert_bitwise_equal, assert_same_state, latest_checkpoint, out_args, run_in_process,
@@ -184,7 +185,7 @@ def test_muon_resumes_bitwise_after_a_kill(tmp_path):
     whole = train_in_process([*base, *out_args(tmp_path / "whole")], tmp_path)
     assert whole.returncode == 0, whole.stdout[-3000:]
     killed = train_forked(1, [*base, *out_args(tmp_path / "killed")], tmp_path,
-                          env={"MINIMIND_FAULT_AT_STEP": "5", "MINIMIND_FAULT_KIND": "kill"})
+                          env=fault_env("kill", at=5))
     assert killed.returncode != 0
     resumed = train_in_process([*base, *out_args(tmp_path / "killed"), "--from_resume", "1"], tmp_path)
     assert resumed.returncode == 0, resumed.stdout[-3000:]
@@ -200,8 +201,8 @@ def test_muon_resumes_bitwise_after_a_kill(tmp_path):
 
 def test_a_checkpoint_written_with_torch_optim_muon_resumes(tmp_path):
     """Runs of earlier versions trained with torch.optim.Muon: their momentum buffers load into ours."""
-    from trainer.checkpoint import save_checkpoint
     from trainer.optim import OptimConfig, Optimizers, param_groups
+    from trainer.trainer_utils import lm_checkpoint
 
     torch.manual_seed(0)
     config = MiniMindConfig(hidden_size=64, num_hidden_layers=2)
@@ -213,9 +214,9 @@ def test_a_checkpoint_written_with_torch_optim_muon_resumes(tmp_path):
     model(ids, labels=ids).loss.backward()
     old.step()
     run = tmp_path / "run"
-    save_checkpoint({"scaler": {}, "global_step": 1, "epoch": 0, "step_in_epoch": 1, "samples_per_step": 4,
-                     "world_size": 1, "tokens_seen": 256, "model_config": config.to_dict()},
-                    model, old, str(run / "ckpt"), "pretrain_64")
+    lm_checkpoint(str(run / "ckpt"), "pretrain_64", model, old,
+                  state={"scaler": {}, "global_step": 1, "epoch": 0, "step_in_epoch": 1, "samples_per_step": 4,
+                         "world_size": 1, "tokens_seen": 256, "rng": []})
     resumed = train_in_process([*TINY, *out_args(run), "--optimizer", "muon", "--max_steps", "3", "--from_resume", "1"],
                                tmp_path)
     assert resumed.returncode == 0, resumed.stdout[-3000:]

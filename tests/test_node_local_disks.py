@@ -11,6 +11,7 @@ import pytest
 
 from tests.fault_helpers import agreed_port, assert_clean_exit
 from tests.helpers_data import SAMPLE_TEXTS, write_jsonl
+from tests.fault_injection import fault_env
 from tests.launch_utils import REPO_ROOT, TINY, TORCHRUN, read_metrics, run_env
 
 STEPS, SAVE, KILL = 16, 5, 13  # saves at 5 and 10, rank 1 dies before step 13
@@ -19,10 +20,14 @@ RUN = [*TINY, "--data_path", "dataset/small.jsonl", "--checkpoint_dir", "ckpt", 
 
 
 def copy_repo(dest: Path) -> Path:
-    """What a node needs to train: the code, the tokenizer and its own data file."""
+    """What a node needs to train: the code, the tokenizer and its own data file (and the
+    test's fault hook, which the trainer imports by the name in MINIMIND_STEP_HOOKS)."""
     skip = shutil.ignore_patterns("__pycache__", "*.jsonl", "*.bin")
     for package in ("common", "trainer", "model", "dataset"):
         shutil.copytree(REPO_ROOT / package, dest / package, ignore=skip)
+    (dest / "tests").mkdir()
+    for hook_file in ("__init__.py", "fault_injection.py"):
+        shutil.copy(REPO_ROOT / "tests" / hook_file, dest / "tests" / hook_file)
     write_jsonl(dest / "dataset" / "small.jsonl", [f"{SAMPLE_TEXTS[i % len(SAMPLE_TEXTS)]} #{i}" for i in range(300)])
     return dest
 
@@ -58,7 +63,7 @@ def nodes(tmp_path_factory):
 @pytest.mark.slow
 def test_resume_after_a_kill_needs_the_checkpoint_on_node_0_only(nodes):
     node0, node1 = nodes
-    fault = {"MINIMIND_FAULT_AT_STEP": str(KILL), "MINIMIND_FAULT_RANK": "1"}
+    fault = fault_env("kill", at=KILL, rank=1)
     killed = run_two_nodes(nodes, env=fault)
     assert f"rank 1 SIGKILLs itself at step {KILL}" in killed[1][1], killed[1][1][-3000:]
     assert all(rc != 0 for rc, _ in killed), [out[-2000:] for _, out in killed]

@@ -105,8 +105,8 @@ def test_bits_per_byte_hand_computed():
     text = "héllo"
     ids = [tok.bos_token_id, *tok(text, add_special_tokens=False).input_ids, tok.eos_token_id]
     x = torch.tensor([ids + [tok.pad_token_id] * 3])
-    labels = torch.tensor([ids + [-100] * 3])  # padded layout: the model shifts
-    loss, bpb = evaluate(model, [(x, labels)], nullcontext(), "cpu", False, token_byte_lengths(tok, 6400))
+    targets = torch.tensor([ids[1:] + [-100] * 4])  # next-token targets: what every loader yields
+    loss, bpb = evaluate(model, [(x, targets)], nullcontext(), "cpu", token_byte_lengths(tok, 6400))
     n_targets = len(ids) - 1
     assert loss == pytest.approx(math.log(6400), rel=1e-5)
     assert bpb == pytest.approx(n_targets * math.log2(6400) / 6, rel=1e-5)
@@ -119,7 +119,7 @@ def test_eval_llm_and_trainer_validation_agree_on_bits_per_byte(tmp_path):
 
     from torch.utils.data import DataLoader
 
-    from dataset.lm_dataset import PretrainDataset, load_tokenizer
+    from dataset.lm_dataset import NextTokenTargets, PretrainDataset, load_tokenizer
     from dataset.token_bytes import token_byte_lengths
     from scripts.eval_llm import perplexity
     from trainer.train_pretrain import evaluate
@@ -131,8 +131,8 @@ def test_eval_llm_and_trainer_validation_agree_on_bits_per_byte(tmp_path):
     torch.manual_seed(0)
     model = MiniMindForCausalLM(MiniMindConfig(hidden_size=64, num_hidden_layers=1, vocab_size=6400)).eval()
     _, _, loss, bpb = perplexity(model, tok, docs, max_seq_len=64)
-    loader = DataLoader(PretrainDataset(str(docs), tok, 64), batch_size=2)
-    loss_t, bpb_t = evaluate(model, loader, nullcontext(), "cpu", False, token_byte_lengths(tok, 6400))
+    loader = DataLoader(NextTokenTargets(PretrainDataset(str(docs), tok, 64)), batch_size=2)
+    loss_t, bpb_t = evaluate(model, loader, nullcontext(), "cpu", token_byte_lengths(tok, 6400))
     assert bpb_t == pytest.approx(bpb, rel=1e-5) and loss_t == pytest.approx(loss, rel=1e-5)
 
 
@@ -141,7 +141,7 @@ def test_adam_betas_reach_adamw_and_a_bad_pair_is_one_line(capsys):
     from trainer.settings import RunSettings
 
     args = parse_args(["--adam_betas", "0.9,0.999"])
-    cfg = OptimConfig.from_args(args, RunSettings("float32", "muon", "cpu", False))
+    cfg = OptimConfig.from_args(args, RunSettings("float32", "muon", False), torch.device("cpu"))
     adamw = build_optimizer(tiny_model(), cfg).optimizers[0]
     assert adamw.defaults["betas"] == (0.9, 0.999)
     assert parse_args([]).adam_betas == (0.9, 0.95)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from dataset.lm_dataset import DataError
+from common.errors import DataError
 from dataset.packed_dataset import PackedPretrainDataset, dtype_for_vocab, meta_path, read_meta, write_meta
 from scripts.prepare_data import prepare
 from tests import helpers_data
@@ -38,7 +38,6 @@ def test_windows_are_shifted_and_cover_the_stream(tmp_path):
     path = write_stream(tmp_path / "s.bin", stream)
     T = 8
     ds = PackedPretrainDataset(path, max_length=T)
-    assert ds.labels_are_shifted is True
     assert len(ds) == (100 - 1) // T == 12
     pieces = []
     for i in range(len(ds)):

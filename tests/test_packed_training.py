@@ -9,6 +9,7 @@ from model.model_minimind import MiniMindForCausalLM
 from tests.helpers_data import SAMPLE_TEXTS, write_jsonl
 from tests.fault_helpers import assert_clean_exit
 from tests.forked_ranks import train_forked
+from tests.fault_injection import fault_env
 from tests.launch_utils import (
     TINY, assert_bitwise_equal, latest_checkpoint, max_abs_diff, out_args, read_metrics, small_corpus,
     train_in_process,
@@ -36,7 +37,7 @@ def test_packed_run_trains_only_real_tokens_and_resumes_exactly(packed_corpus, t
     assert train_rows[-1]["tokens_seen"] == 6 * 8 * 64
 
     killed = train_forked(2, _args(packed_corpus, tmp_path / "resumed"), tmp_path,
-                          env={"MINIMIND_FAULT_AT_STEP": "4", "MINIMIND_FAULT_RANK": "1"})
+                          env=fault_env("kill", at=4, rank=1))
     assert killed.returncode != 0
     resumed = train_forked(2, _args(packed_corpus, tmp_path / "resumed", "--from_resume", "1"), tmp_path)
     assert_clean_exit(resumed.returncode, resumed.stdout, "resumed run")

@@ -47,7 +47,7 @@ def test_a_window_already_trained_says_so(tmp_path):
 
     out = StringIO()
     with redirect_stdout(out):
-        profiling = Profiling(args, "run", 0, "cpu", start_step=10, total_steps=20)
+        profiling = Profiling(args, "run", 0, torch.device("cpu"), start_step=10, total_steps=20)
     assert "already trained" in out.getvalue()
     for step in range(11, 14):
         profiling.step_begins(step)
@@ -74,7 +74,7 @@ def fake_cuda_memory(monkeypatch):
 
 def test_memory_snapshot_records_the_first_steps_then_stops(tmp_path, fake_cuda_memory):
     args = SimpleNamespace(save_dir=str(tmp_path), profile_steps=None, profile_ranks="0", memory_snapshot=1)
-    profiling = Profiling(args, "run", 0, "cuda:0", start_step=0, total_steps=100)
+    profiling = Profiling(args, "run", 0, torch.device("cuda", 0), start_step=0, total_steps=100)
     for step in range(1, 6):
         profiling.step_begins(step)
         profiling.step_ended(step)
@@ -84,7 +84,7 @@ def test_memory_snapshot_records_the_first_steps_then_stops(tmp_path, fake_cuda_
 
 def test_out_of_memory_writes_a_snapshot_and_still_fails(tmp_path, fake_cuda_memory):
     args = SimpleNamespace(save_dir=str(tmp_path), profile_steps=None, profile_ranks="0", memory_snapshot=1)
-    profiling = Profiling(args, "run", 1, "cuda:1", start_step=0, total_steps=100)
+    profiling = Profiling(args, "run", 1, torch.device("cuda", 1), start_step=0, total_steps=100)
     with pytest.raises(torch.OutOfMemoryError):
         with profiling.out_of_memory_snapshot(lambda: 7):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")

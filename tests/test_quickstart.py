@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dataset.lm_dataset import DataError
+from common.errors import DataError
 from dataset.packed_dataset import write_meta
 from scripts.split_corpus import split_corpus
 from scripts.unigram_baseline import unigram_baseline

@@ -1,8 +1,9 @@
-"""The fault plan (trainer/resilience.py): the MINIMIND_FAULT_* environment, read once at
-start-up, decides which rank misbehaves at which step, and a restarted group runs clean.
-And DataLoader workers: the longest temp folder they can work in, and a worker that
+"""The fault plan (tests/fault_injection.py, step hooks of trainer/hooks.py): the
+MINIMIND_FAULT_* environment, read once at start-up, decides which rank misbehaves at which
+step, and a restarted group runs clean. And DataLoader workers: the longest temp folder they can work in, and a worker that
 stops delivering ends the rank instead of hanging it. And what the launched tests count
 as a worker's traceback."""
+import math
 import os
 import signal
 import subprocess
@@ -16,11 +17,21 @@ import torch
 from torch.utils.data import Dataset, SequentialSampler
 
 from common.errors import UserError
-from tests.fault_helpers import fault_env as fault, worker_tracebacks
+from tests.fault_helpers import worker_tracebacks
+from tests.fault_injection import FaultPlan, fault_env as fault
 from tests.launch_utils import REPO_ROOT
 from trainer.data import LoaderStalled, delivered_batches, make_train_loader
+from trainer.hooks import StepHooks, load_step_hooks
 from trainer.preflight import MAX_WORKER_TMPDIR, check_worker_tmpdir
-from trainer.resilience import FaultPlan
+
+
+def poisoned(plan, steps) -> list[bool]:
+    """Whether the plan makes each step's loss NaN, as the loop calls it."""
+    out = []
+    for step in range(steps):
+        plan.before_step(step)
+        out.append(math.isnan(plan.loss(torch.tensor(1.0)).item()))
+    return out
 
 
 def test_fault_plan_is_read_once_and_fires_only_where_planned(monkeypatch):
@@ -28,16 +39,26 @@ def test_fault_plan_is_read_once_and_fires_only_where_planned(monkeypatch):
     for key, value in fault("nan", at=3, rank=1).items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
-    plan, other_rank = FaultPlan.from_env(1), FaultPlan.from_env(0)
+    plan, other_rank = load_step_hooks(1), load_step_hooks(0)  # as the trainer installs them
+    assert isinstance(plan, FaultPlan)
     monkeypatch.setenv("MINIMIND_FAULT_AT_STEP", "5")
-    assert [plan.poisons(s) for s in range(6)] == [False, False, False, True, False, False]
-    assert not any(other_rank.poisons(s) for s in range(6))
+    assert poisoned(plan, 6) == [False, False, False, True, False, False]
+    assert not any(poisoned(other_rank, 6))
     forever = FaultPlan.from_env(1, fault("nan_forever", at=2, rank=1))
-    assert [forever.poisons(s) for s in range(5)] == [False, False, True, True, True]
+    assert poisoned(forever, 5) == [False, False, True, True, True]
     restarted = FaultPlan.from_env(1, {**fault("raise", at=0, rank=1), "TORCHELASTIC_RESTART_COUNT": "1"})
-    restarted.crash_before(0, 1)  # a restarted group runs clean
+    restarted.before_step(0)  # a restarted group runs clean
     with pytest.raises(RuntimeError, match="rank 1 raises at step 2"):
-        FaultPlan.from_env(1, fault("raise", at=2, rank=1)).crash_before(2, 1)
+        FaultPlan.from_env(1, fault("raise", at=2, rank=1)).before_step(2)
+
+
+def test_a_normal_run_has_hooks_that_do_nothing(monkeypatch):
+    monkeypatch.delenv("MINIMIND_STEP_HOOKS", raising=False)
+    hooks = load_step_hooks(0)
+    assert type(hooks) is StepHooks
+    hooks.before_step(3)
+    loss = torch.tensor(2.5)
+    assert hooks.loss(loss) is loss
 
 
 class Stalls(Dataset):

@@ -8,6 +8,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.fault_helpers import assert_clean_exit, job, run_all
 from tests.launch_utils import TINY, assert_bitwise_equal, latest_checkpoint, max_abs_diff, out_args
+from tests.fault_injection import fault_env
 
 # 20 steps with the default optimizer (Muon on the blocks, AdamW on the rest), killed at
 # step 13 and resumed from the step-10 checkpoint. AdamW's lr 5e-4: Adam's first updates are
@@ -16,7 +17,7 @@ from tests.launch_utils import TINY, assert_bitwise_equal, latest_checkpoint, ma
 STEPS, SAVE, KILL = 20, 10, 13
 BASE = [*TINY, "--learning_rate", "5e-4", "--max_steps", str(STEPS), "--save_interval", str(SAVE),
         "--global_batch_size", "8"]
-KILLED = {"MINIMIND_FAULT_AT_STEP": str(KILL), "MINIMIND_FAULT_KIND": "kill", "MINIMIND_FAULT_RANK": "0"}
+KILLED = fault_env("kill", at=KILL, rank=0)
 
 
 # name: (processes of the killed run, processes of its resume, extra flags)

@@ -11,37 +11,37 @@ AVX512_BF16_ONLY = frozenset({"avx2", "avx512f", "avx512_bf16"})
 EPYC_NO_BF16 = frozenset({"fpu", "avx2", "avx512f", "avx512bw"})
 
 
-@pytest.mark.parametrize("flag, dev, cpu_flags, cuda_bf16, sharded, expected", [
+@pytest.mark.parametrize("flag, device_type, cpu_flags, cuda_bf16, sharded, expected", [
     ("auto", "cpu", AMX_XEON, False, False, "bfloat16"),
     ("auto", "cpu", AVX512_BF16_ONLY, False, False, "bfloat16"),
     ("auto", "cpu", EPYC_NO_BF16, False, False, "float32"),
     ("auto", "cpu", frozenset(), False, False, "float32"),
-    ("auto", "cuda:0", frozenset(), True, False, "bfloat16"),
-    ("auto", "cuda:1", frozenset(), False, False, "float16"),
+    ("auto", "cuda", frozenset(), True, False, "bfloat16"),
+    ("auto", "cuda", frozenset(), False, False, "float16"),
     ("auto", "cuda", frozenset(), False, True, "float32"),  # FSDP: no sharded GradScaler
-    ("float32", "cuda:0", frozenset(), True, False, "float32"),
+    ("float32", "cuda", frozenset(), True, False, "float32"),
     ("bfloat16", "cpu", EPYC_NO_BF16, False, False, "bfloat16"),
 ])
-def test_resolve_dtype(flag, dev, cpu_flags, cuda_bf16, sharded, expected):
-    name, why = resolve_dtype(flag, dev, cpu_flags, cuda_bf16, sharded)
+def test_resolve_dtype(flag, device_type, cpu_flags, cuda_bf16, sharded, expected):
+    name, why = resolve_dtype(flag, device_type, cpu_flags, cuda_bf16, sharded)
     assert name == expected
     assert why
 
 
-@pytest.mark.parametrize("flag, dev, dtype, cpu_flags, groups, expected", [
-    ("auto", "cuda:0", "bfloat16", frozenset(), "split", "muon"),
-    ("auto", "cuda:0", "float32", frozenset(), "split", "muon"),    # fp32 Newton-Schulz (TF32 on CUDA)
-    ("auto", "cuda:0", "float16", frozenset(), "split", "adamw"),   # a T4: no bf16, fp32 Newton-Schulz is slow there
+@pytest.mark.parametrize("flag, device_type, dtype, cpu_flags, groups, expected", [
+    ("auto", "cuda", "bfloat16", frozenset(), "split", "muon"),
+    ("auto", "cuda", "float32", frozenset(), "split", "muon"),    # fp32 Newton-Schulz (TF32 on CUDA)
+    ("auto", "cuda", "float16", frozenset(), "split", "adamw"),   # a T4: no bf16, fp32 Newton-Schulz is slow there
     ("auto", "cpu", "bfloat16", AMX_XEON, "split", "muon"),
     ("auto", "cpu", "bfloat16", AVX512_BF16_ONLY, "split", "muon"),
     ("auto", "cpu", "float32", EPYC_NO_BF16, "split", "muon"),      # fp32 Newton-Schulz: fast on any CPU
     ("auto", "cpu", "bfloat16", EPYC_NO_BF16, "split", "adamw"),    # --dtype bfloat16 where it is emulated
-    ("auto", "cuda:0", "bfloat16", frozenset(), "single", "adamw"),  # MiniMind's one AdamW group
+    ("auto", "cuda", "bfloat16", frozenset(), "single", "adamw"),  # MiniMind's one AdamW group
     ("muon", "cpu", "bfloat16", EPYC_NO_BF16, "split", "muon"),     # explicit flags win
-    ("adamw", "cuda:0", "bfloat16", frozenset(), "split", "adamw"),
+    ("adamw", "cuda", "bfloat16", frozenset(), "split", "adamw"),
 ])
-def test_resolve_optimizer(flag, dev, dtype, cpu_flags, groups, expected):
-    name, why = resolve_optimizer(flag, dev, dtype, cpu_flags, groups)
+def test_resolve_optimizer(flag, device_type, dtype, cpu_flags, groups, expected):
+    name, why = resolve_optimizer(flag, device_type, dtype, cpu_flags, groups)
     assert name == expected
     assert why
 
@@ -68,14 +68,14 @@ def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
 def test_cuda_bf16_detection(monkeypatch, capability, bf16_native, expected):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: bf16_native)
-    assert device.cuda_has_native_bf16("cuda:0") is expected
-    assert settings.detect_dtype("auto", "cuda:0")[0] == ("bfloat16" if expected else "float16")
+    assert device.cuda_has_native_bf16(torch.device("cuda", 0)) is expected
+    assert settings.detect_dtype("auto", torch.device("cuda", 0))[0] == ("bfloat16" if expected else "float16")
 
 
 def test_wandb_records_the_accumulation_that_global_batch_size_implies():
     from types import SimpleNamespace
 
     args = SimpleNamespace(accumulation_steps=1, dtype="auto", optimizer="auto", global_batch_size=16)
-    flags = settings.RunSettings("float32", "adamw", "cpu", False).as_flags(args, accumulation_steps=2)
+    flags = settings.RunSettings("float32", "adamw", False).as_flags(args, accumulation_steps=2)
     assert (flags["accumulation_steps"], flags["dtype"], flags["optimizer"]) == (2, "float32", "adamw")
     assert args.accumulation_steps == 1  # the parsed flags are left as they were

@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from dataset.demo_corpus import DEMO_CORPUS
-from dataset.lm_dataset import DataError
+from common.errors import DataError
 from dataset.packed_dataset import PackedPretrainDataset, write_meta
 from dataset.shards import MANIFEST, ShardedPackedDataset
 from scripts import prepare_data
@@ -27,6 +27,7 @@ from tests import helpers_data
 from tests.fault_helpers import assert_clean_exit
 from tests.forked_ranks import train_forked
 from tests.launch_utils import REPO_ROOT, TINY, assert_bitwise_equal, latest_checkpoint, out_args
+from tests.fault_injection import fault_env
 from trainer.data import ResumableDistributedSampler, open_dataset
 
 DEMO = DEMO_CORPUS
@@ -307,7 +308,7 @@ def test_training_on_shards_resumes_bitwise_as_on_the_concatenated_file(tmp_path
                             tmp_path / "straight")
     assert_clean_exit(straight.returncode, straight.stdout, "straight")
     shard_args = [*base, "--data_path", str(tmp_path / "shards"), *out_args(tmp_path / "resumed")]
-    kill_at_4 = {"MINIMIND_FAULT_AT_STEP": "4", "MINIMIND_FAULT_RANK": "1"}
+    kill_at_4 = fault_env("kill", at=4, rank=1)
     killed = train_forked(2, shard_args, tmp_path / "resumed", env=kill_at_4)
     assert killed.returncode != 0 and "[fault injection] rank 1 SIGKILLs itself at step 4" in killed.stdout
     resumed = train_forked(2, [*shard_args, "--from_resume", "1"], tmp_path / "resumed")

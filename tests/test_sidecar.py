@@ -8,19 +8,19 @@ everything else reads its files in-process.
 """
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from model.model_minimind import MiniMindConfig
-from model.weights import WeightsError, load_model, read_checkpoint, sidecar_path, sidecar_text
+from common.errors import UserError, WeightsError
+from model.weights import load_model, read_checkpoint, sidecar_path, sidecar_text
 from scripts.convert_model import main as convert_main, save_pth
 from scripts.eval_llm import main as eval_main
 from tests.launch_utils import TINY, ensure_demo_corpus, out_args, train_in_process
 from trainer.args import parse_args
-from trainer.train_pretrain import save_weights
-from trainer.trainer_utils import UserError, init_model, model_config_from_args
+from trainer.stateful import export_weights
+from trainer.trainer_utils import init_model, model_config_from_args
 
 # Not the trainer's defaults (hidden 512, 8 layers), so a load that ignored the sidecar would fail.
 SHAPE = {"hidden_size": 64, "num_hidden_layers": 2}
@@ -43,12 +43,12 @@ def one_error_line(capsys, call):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """Start weights written by the trainer's save_weights, then one real training step
+    """Start weights written as the trainer writes them (export_weights), then one real training step
     from them (--from_weight, no shape flags) in-process. Returns the run's --save_dir."""
     work = tmp_path_factory.mktemp("sidecar")
     torch.manual_seed(0)
     start = init_model(MiniMindConfig(**SHAPE))
-    save_weights(start, SimpleNamespace(save_dir=str(work / "start")), "start_64")
+    export_weights(start, str(work / "start" / "start_64.pth"))
     corpus = work / "small.jsonl"
     corpus.write_text("".join(ensure_demo_corpus().open().readlines()[:200]))
 

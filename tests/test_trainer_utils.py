@@ -1,38 +1,70 @@
-"""trainer/trainer_utils.py, the module MiniMind users look for: it re-exports the
-distributed, sampler and checkpoint entry points, and its lm_checkpoint saves and loads.
-(That nothing imports it back in a cycle is tests/test_layers.py's.)"""
-from pathlib import Path
-
+"""trainer/trainer_utils.py, the module MiniMind users look for: each of its entry points is
+the very function the trainer uses (not a copy that could drift), and its lm_checkpoint
+writes what the trainer resumes and reads what the trainer writes. (That nothing imports
+it back in a cycle is tests/test_layers.py's.)"""
 import torch
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from trainer import trainer_utils
+from tests.launch_utils import TINY, latest_checkpoint, out_args, train_in_process
+from trainer import optim, train_pretrain, trainer_utils
 from trainer.trainer_utils import lm_checkpoint
 
-
-def test_reexports_what_minimind_users_look_for():
-    for name in ("init_distributed_mode", "is_main_process", "Logger", "ResumableDistributedSampler",
-                 "lm_checkpoint", "save_checkpoint", "load_latest_checkpoint", "get_lr", "setup_seed", "init_model"):
-        assert callable(getattr(trainer_utils, name)), name
+# entry point: the module whose global the trainer calls it through
+WHERE_THE_TRAINER_LOOKS = {"get_lr": optim, "lm_checkpoint": None}
 
 
-def test_lm_checkpoint_saves_then_loads_the_latest(tmp_path):
-    torch.manual_seed(0)
-    config = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-    model = MiniMindForCausalLM(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ids = torch.randint(0, config.vocab_size, (1, 8))
-    model(ids, labels=ids).loss.backward()
-    optimizer.step()
-    state = {"scaler": {}, "global_step": 7, "epoch": 0, "step_in_epoch": 7, "samples_per_step": 4,
-             "world_size": 1, "model_config": config.to_dict(), "tokens_seen": 224}
+def test_every_entry_point_is_the_one_the_trainer_calls(tmp_path, monkeypatch):
+    """Wrap each entry point where the trainer looks it up, train two steps, and see every
+    wrapper called: an entry point the trainer did not use (a stale copy) would fail here."""
+    calls = {}
+    for name in trainer_utils.__all__:
+        owner = WHERE_THE_TRAINER_LOOKS.get(name, train_pretrain)
+        if owner is None:
+            continue  # lm_checkpoint: the round trips below
+        function = getattr(owner, name)
+        assert function is getattr(trainer_utils, name), f"trainer_utils.{name} is not the trainer's {name}"
 
-    path = lm_checkpoint(str(tmp_path), "run_64", model, optimizer, state=state)
-    assert Path(path).name == "run_64_resume_step0000007.pth"
+        def spy(*args, _function=function, _name=name, **kwargs):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _function(*args, **kwargs)
+        monkeypatch.setattr(owner, name, spy)
+    run = train_in_process([*TINY, *out_args(tmp_path), "--max_steps", "2"], tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:]
+    expected = [n for n in trainer_utils.__all__ if WHERE_THE_TRAINER_LOOKS.get(n, train_pretrain) is not None]
+    assert sorted(calls) == sorted(expected), f"never called by the trainer: {set(expected) - set(calls)}"
 
-    loaded = lm_checkpoint(str(tmp_path), "run_64", model_config=config.to_dict())
-    assert loaded["path"] == path
-    assert (loaded["global_step"], loaded["tokens_seen"]) == (7, 224)
-    for name, tensor in model.state_dict().items():
+
+def test_lm_checkpoint_reads_what_the_trainer_wrote(tmp_path):
+    run = train_in_process([*TINY, *out_args(tmp_path), "--max_steps", "4", "--save_interval", "2"], tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:]
+    config = MiniMindConfig(hidden_size=64, num_hidden_layers=2)
+    loaded = lm_checkpoint(str(tmp_path / "ckpt"), "pretrain_64", model_config=config.to_dict())
+    trainer_wrote = latest_checkpoint(tmp_path)
+    assert loaded["global_step"] == trainer_wrote["global_step"] == 4
+    for name, tensor in trainer_wrote["model"].items():
         assert torch.equal(loaded["model"][name], tensor), name
-    assert lm_checkpoint(str(tmp_path), "other_64", model_config=config.to_dict()) is None
+    assert lm_checkpoint(str(tmp_path / "ckpt"), "other_64", model_config=config.to_dict()) is None
+
+
+def test_the_trainer_resumes_what_lm_checkpoint_wrote(tmp_path):
+    """A MiniMind-style script that builds the model and optimizer as the trainer does saves
+    with lm_checkpoint; the trainer takes over from it."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    from trainer.optim import OptimConfig, build_optimizer
+
+    base = [*TINY, *out_args(tmp_path), "--optimizer", "adamw", "--max_steps", "4", "--save_interval", "2"]
+    first = train_in_process([*base, "--max_steps", "2"], tmp_path)
+    assert first.returncode == 0, first.stdout[-3000:]
+    saved = latest_checkpoint(tmp_path)
+    config = MiniMindConfig(hidden_size=64, num_hidden_layers=2)
+    model = MiniMindForCausalLM(config)
+    optimizer = build_optimizer(model, OptimConfig(optimizer="adamw", lr=2e-3))
+    set_state_dict(model, optimizer, model_state_dict=saved["model"], optim_state_dict=saved["optimizer"])
+    state = {k: saved[k] for k in ("scaler", "global_step", "epoch", "step_in_epoch", "samples_per_step",
+                                   "world_size", "tokens_seen", "wandb_run_id", "rng")}
+    path = lm_checkpoint(str(tmp_path / "script"), "pretrain_64", model, optimizer, state=state)
+    assert path.endswith("pretrain_64_resume_step0000002.pth")
+    resumed = train_in_process([*base, "--checkpoint_dir", str(tmp_path / "script"), "--from_resume", "1"], tmp_path)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert f"resumed from {path} at step 2/4" in resumed.stdout

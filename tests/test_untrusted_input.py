@@ -9,22 +9,23 @@ checks themselves run in-process through train_pretrain.main.
 import json
 import os
 import tempfile
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from model.model_minimind import MiniMindConfig
-from model.weights import WeightsError, load_model, read_checkpoint
+from common.errors import UserError, WeightsError
+from model.weights import load_model, read_checkpoint
 from scripts.convert_model import save_pth
 from scripts.eval_llm import main as eval_main
 from tests.fault_helpers import assert_clean_exit, error_lines, run_all, worker_tracebacks
 from tests.forked_ranks import Forked
 from tests.launch_utils import FLAGS, REPO_ROOT, TINY, TORCHRUN, TRAIN, out_args, train_tiny
-from trainer import preflight
-from trainer.checkpoint import save_checkpoint, verify_checkpoint
-from trainer.train_pretrain import main as train_main, save_weights
-from trainer.trainer_utils import UserError, init_model
+from trainer.device import resolve_device
+from trainer.checkpoint import verify_checkpoint
+from trainer.stateful import export_weights
+from trainer.train_pretrain import main as train_main
+from trainer.trainer_utils import init_model, lm_checkpoint
 
 SCRIPTS = REPO_ROOT / "scripts"
 
@@ -193,12 +194,10 @@ def test_every_pth_the_trainer_writes_still_loads(tmp_path):
     ids = torch.randint(3, 6400, (2, 16))
     model(ids, labels=ids).loss.backward()
     optimizer.step()
-    args = SimpleNamespace(save_dir=str(tmp_path / "out"))
-    save_weights(model, args, "pretrain_64")
+    export_weights(model, str(tmp_path / "out" / "pretrain_64.pth"))
     state = {"scaler": torch.amp.GradScaler("cpu", enabled=False).state_dict(), "global_step": 1, "epoch": 0,
-             "step_in_epoch": 1, "samples_per_step": 2, "world_size": 1, "tokens_seen": 32, "wandb_run_id": None,
-             "model_config": config.to_dict()}
-    step_file = save_checkpoint(state, model, optimizer, str(tmp_path / "ckpt"), "pretrain_64")
+             "step_in_epoch": 1, "samples_per_step": 2, "world_size": 1, "tokens_seen": 32, "wandb_run_id": None}
+    step_file = lm_checkpoint(str(tmp_path / "ckpt"), "pretrain_64", model, optimizer, state=state)
     verify_checkpoint(step_file)  # the trainer's own resume path
 
     model.eval()
@@ -268,19 +267,22 @@ def test_bad_flag_is_one_line_rc_2_before_any_step(case, tmp_path, capsys, monke
 # --device, on whatever this machine has (the CUDA answers are faked)
 
 @pytest.mark.parametrize("device, launched_as, cuda, count, expected", [
-    ("cpu", None, None, 0, None),
-    (None, None, None, 0, None),
+    ("cpu", None, None, 0, torch.device("cpu")),
+    (None, None, None, 0, torch.device("cpu")),
     ("cuda", None, None, 0, "this torch build has no CUDA: pass --device cpu"),
     ("cuda:0", None, "12.4", 0, "no GPU is visible: pass --device cpu"),
     ("cuda:1", None, "12.4", 1, "GPU 1 does not exist, 1 GPU(s) visible: pass --device cuda:0 to cuda:0"),
-    ("cuda:0", None, "12.4", 1, None),
+    ("cuda:0", None, "12.4", 1, torch.device("cuda", 0)),
+    ("cuda", None, "12.4", 2, torch.device("cuda", 0)),
+    (None, None, "12.4", 2, torch.device("cuda", 0)),
     ("cuda", 1, "12.4", 1, "LOCAL_RANK 1 and takes cuda:1, but 1 GPU(s) are visible"),
     (None, 1, "12.4", 1, "LOCAL_RANK 1 and takes cuda:1"),
-    (None, 1, None, 0, None),  # no CUDA: the ranks take the CPU
-    ("cuda", 1, "12.4", 2, None),
+    (None, 1, None, 0, torch.device("cpu")),  # no CUDA: the ranks take the CPU
+    ("cuda", 1, "12.4", 2, torch.device("cuda", 1)),
+    ("cuda:0", 1, "12.4", 2, torch.device("cuda", 1)),  # under a launcher, each rank its LOCAL_RANK's GPU
     ("mps", None, None, 0, "pass --device cpu, cuda or cuda:N"),
 ])
-def test_check_device(monkeypatch, device, launched_as, cuda, count, expected):
+def test_resolve_device(monkeypatch, device, launched_as, cuda, count, expected):
     monkeypatch.setattr(torch.version, "cuda", cuda)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
@@ -289,11 +291,11 @@ def test_check_device(monkeypatch, device, launched_as, cuda, count, expected):
     if launched_as is not None:
         monkeypatch.setenv("RANK", str(launched_as))
         monkeypatch.setenv("LOCAL_RANK", str(launched_as))
-    if expected is None:
-        preflight.check_device(device)
+    if isinstance(expected, torch.device):
+        assert resolve_device(device) == expected
         return
     with pytest.raises(UserError) as info:
-        preflight.check_device(device)
+        resolve_device(device)
     assert expected in str(info.value) and "\n" not in str(info.value)
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from common.errors import UserError
 from dataset.demo_corpus import DEMO_CORPUS
-from model.weights import FLAG_DEFAULTS
+from model.shape_flags import FLAG_DEFAULTS
 from trainer.cli import OneLineArgumentParser
 from trainer.optim import check_optim_args
 from trainer.profiling import step_window
@@ -137,8 +137,10 @@ FLOAT_RANGES = {
 }
 
 
-def check_args(args, cuda_available: bool):
-    """Reject impossible settings before any work is done: flags only, no files or processes."""
+def check_args(args, device):
+    """Reject impossible settings before any work is done: flags and the resolved device only,
+    no files or processes."""
+    cuda_available = device.type == "cuda"
     for flag, lowest in INT_MINIMUMS.items():
         if getattr(args, flag) < lowest:
             raise UserError(f"--{flag} must be at least {lowest}, got {getattr(args, flag)}")

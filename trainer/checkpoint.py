@@ -1,19 +1,27 @@
-"""Resume checkpoints that survive kills, full disks and corrupt files.
+"""Resume checkpoints that survive kills, full disks and corrupt files: the one owner of
+what a checkpoint holds, where it lies and which one a resume takes.
+
+A checkpoint is one dict: {"format": FORMAT, "model_config": ...} plus what each Stateful
+part of the run adds (trainer/stateful.py: "model", "optimizer", "scaler", "rng"; and
+trainer/train_state.py's TrainState: "global_step", "tokens_seen", "world_size", the data
+position, ...). A part that gains a field saves and loads it itself; nothing here changes.
 
 Layout in --checkpoint_dir, for the run prefix `{save_weight}_{hidden}[_moe]`:
 
-    pretrain_512_resume_step0001200.pth        the checkpoint itself (torch.save)
-    pretrain_512_resume_step0001200.pth.json   its size and sha256 (hashed as it was written), written after it
+    pretrain_512_resume_step0001200.pth        the checkpoint itself (torch.save of the dict)
+    pretrain_512_resume_step0001200.pth.json   its step, tokens trained, world size, and each file's
+                                               size and sha256 (hashed as it was written), written after it
     pretrain_512_resume.pth -> ..._step0001200.pth   symlink to the newest, swapped atomically
 
-FSDP runs write `..._step0001200.dcp/` instead (and point `..._resume.dcp` at it):
-a torch.distributed.checkpoint folder (each rank writes its shard) plus
-`trainer_state.pt`, with the same record beside it listing every file's size and sha256. Either kind loads into either
-kind of run, at any world size.
+FSDP runs write `..._step0001200.dcp/` instead (and point `..._resume.dcp` at it): a
+torch.distributed.checkpoint folder of the model's and optimizer's shards (each rank writes
+its own) plus `trainer_state.pt` with the rest, and the same record beside it. Either kind
+loads into either kind of run, at any world size.
 
-A checkpoint becomes visible only through os.replace of a finished temp file or
-folder, and the record comes after it, so a kill at any moment leaves every
-earlier checkpoint intact and the half-written one unrecorded (and therefore skipped).
+A checkpoint becomes visible only through os.replace of a finished temp file or folder,
+and the record comes after it, so a kill at any moment leaves every earlier checkpoint
+intact and the half-written one unrecorded (and therefore skipped). Newest means most
+tokens trained: step numbers are not comparable across world sizes.
 
 Only rank 0 writes a .pth and only rank 0 reads it back (and broadcasts it), so with
 DDP the checkpoint directory may be a disk of node 0's own.
@@ -22,32 +30,156 @@ import glob
 import hashlib
 import json
 import os
-import random
 import re
 import shutil
 
-import numpy as np
 import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_state_dict, set_model_state_dict, set_optimizer_state_dict, set_state_dict,
-)
 
 from common.atomic import atomic_torch_save, atomic_write_text
 from common.errors import UserError
-from trainer.distributed import Logger, barrier, broadcast_from_main, is_main_process
+from trainer.distributed import TORCH_COLLECTIVES, Logger
 
 FORMAT = "minimind-resume-v1"
-TRAINER_KEYS = {"format", "scaler", "global_step", "epoch", "step_in_epoch",
-                "samples_per_step", "world_size", "model_config", "rng", "tokens_seen"}
-WEIGHT_KEYS = {"model", "optimizer"}  # inside the .pth; a .dcp folder holds them as shards
+WEIGHT_KEYS = ("model", "optimizer")  # inside the .pth; a .dcp folder holds them as shards
+RECORD_KEYS = ("global_step", "tokens_seen", "world_size")  # what choosing the newest needs, beside each file
 TRAINER_STATE = "trainer_state.pt"
 # Architecture fields a resumed run must agree on.
 CONFIG_KEYS = ("hidden_size", "num_hidden_layers", "use_moe", "vocab_size",
                "num_attention_heads", "num_key_value_heads", "intermediate_size")
 
 
+class CheckpointManager:
+    """Saves and resumes one run's checkpoints in `folder`, from and into its parts.
+
+    model: trainer/stateful.py's ModelState (the weights and optimizer state; under `sharded`
+    every rank writes its shards); parts: the other Stateful parts, in load order.
+    weights_path: where each save also writes the half-precision inference weights (None: not).
+    Every rank calls save() and resume() with the same arguments: both are collectives.
+    """
+
+    def __init__(self, folder: str, prefix: str, model_config: dict, model, parts: dict, keep_last: int = 3,
+                 sharded: bool = False, weights_path: str | None = None, collectives=TORCH_COLLECTIVES):
+        self.folder, self.prefix, self.model_config = folder, prefix, model_config
+        self.model, self.parts, self.keep_last, self.sharded = model, parts, keep_last, sharded
+        self.weights_path, self.collectives = weights_path, collectives
+
+    # ------------------------------------------------------------------ saving
+    def save(self, global_step: int) -> str:
+        """The inference weights and a resume checkpoint at `global_step`; returns its path."""
+        # A checkpoint of NaNs would push a good one out of the rotation: refuse to write it.
+        if not self.model.finite():
+            raise RuntimeError("model weights are not finite; refusing to save a checkpoint")
+        if self.weights_path:
+            self.model.export(self.weights_path)
+        state = {"format": FORMAT, "model_config": self.model_config}
+        for part in self.parts.values():
+            entries = part.state_dict()
+            if set(entries) & set(state):
+                raise ValueError(f"checkpoint parts both write {sorted(set(entries) & set(state))}")
+            state.update(entries)
+        path = step_path(self.folder, self.prefix, global_step, self.sharded)
+        weights = self.model.state_dict()
+        main = self.collectives.rank == 0
+        if main:
+            os.makedirs(self.folder, exist_ok=True)
+            _remove(f"{path}.tmp")  # debris of a save that was killed
+        if self.sharded:
+            self._write_shards(path, state, weights)
+        elif main:
+            written = atomic_torch_save(dict(state, **weights), path)
+            self._publish(path, state, {os.path.basename(path): written})
+        self.collectives.barrier()
+        return path
+
+    def _write_shards(self, path, state, weights):
+        import torch.distributed.checkpoint as dcp
+
+        self.collectives.barrier()
+        dcp.save(weights, checkpoint_id=f"{path}.tmp")
+        self.collectives.barrier()
+        if self.collectives.rank == 0:
+            torch.save(state, os.path.join(f"{path}.tmp", TRAINER_STATE))
+            _remove(path)
+            os.replace(f"{path}.tmp", path)
+            # Every rank wrote shards through DCP's own writer: hash them by reading back.
+            self._publish(path, state, _file_records(path))
+
+    def _publish(self, path, state, files):
+        """Rank 0, once `path` is complete: record it (`files`: {name: {size, sha256}}),
+        point `latest` at it, drop the oldest."""
+        atomic_write_text(f"{path}.json", json.dumps({**{k: state[k] for k in RECORD_KEYS}, "files": files}))
+        _point_latest(self.folder, self.prefix, path)
+        for old in list_checkpoints(self.folder, self.prefix)[max(1, self.keep_last):]:
+            _remove(f"{old}.json")  # unrecord first: a kill in between leaves an ignored leftover
+            _remove(old)
+
+    # ------------------------------------------------------------------ resuming
+    def resume(self) -> dict | None:
+        """Load the newest usable checkpoint into the model and every part; returns what was
+        saved besides the weights (its "path" included), or None when there is none."""
+        saved = self.latest()
+        if saved is None:
+            return None
+        self.model.load_state_dict(saved)
+        try:
+            for part in self.parts.values():
+                part.load_state_dict(saved)
+        except KeyError as missing:
+            raise UserError(f"checkpoint {saved['path']} has no {missing} entry: it was written by another version "
+                            f"of this trainer; resume with that version, or move it aside to start fresh") from None
+        return {k: v for k, v in saved.items() if k not in WEIGHT_KEYS}
+
+    def latest(self) -> dict | None:
+        """The newest verified checkpoint, or None when this run has none.
+
+        Only rank 0 looks at the folder and reads the checkpoint: on a cluster whose nodes
+        each have their own disk, the file exists on rank 0's node alone. Every rank gets
+        the rest (step, data position, every rank's RNG state; small) by broadcast; the
+        weights and optimizer state of a .pth stay on rank 0 until ModelState.load_state_dict
+        broadcasts them."""
+        rest, message, state = None, None, None
+        if self.collectives.rank == 0:
+            try:
+                path, state = self._choose()
+            except UserError as exc:
+                path, message = None, str(exc)
+            if path is not None:
+                rest = {k: v for k, v in state.items() if k not in WEIGHT_KEYS} | {"path": path}
+        rest, message = self.collectives.broadcast((rest, message))
+        if message:
+            raise UserError(message)
+        if rest is None:
+            return None
+        if self.collectives.rank == 0 and not rest["path"].endswith(".dcp"):
+            return dict(rest, **{k: state[k] for k in WEIGHT_KEYS})
+        return rest
+
+    def _choose(self):
+        """Rank 0's pick: (path, state) to resume, (None, None) to start fresh; raises UserError to stop."""
+        candidates = list_checkpoints(self.folder, self.prefix)
+        if not candidates:
+            # Another prefix (say, a different --hidden_size) with a usable checkpoint means the
+            # flags changed, not that this is a new run: say so instead of silently starting over.
+            for other in sorted(list_checkpoints(self.folder), key=os.path.getmtime, reverse=True):
+                try:
+                    saved_config = verify_checkpoint(other)["model_config"]
+                except ValueError:
+                    continue
+                check_config_matches(other, saved_config, self.model_config)
+            return None, None
+        for path in candidates:
+            try:
+                state = verify_checkpoint(path)
+            except ValueError as exc:
+                Logger(f"skipping checkpoint {path}: {exc}")
+                continue
+            check_config_matches(path, state["model_config"], self.model_config)
+            return path, state
+        raise UserError(f"--from_resume 1: none of the {len(candidates)} checkpoints in {self.folder} is usable "
+                        f"(see above); move them aside to start fresh")
+
+
+# ---------------------------------------------------------------------------- the files
 def step_path(checkpoint_dir, prefix, global_step, sharded=False) -> str:
     suffix = "dcp" if sharded else "pth"
     return os.path.join(checkpoint_dir, f"{prefix}_resume_step{global_step:07d}.{suffix}")
@@ -74,45 +206,6 @@ def _progress_of(path) -> tuple:
         return (-1, step)
 
 
-# ---------------------------------------------------------------------------- RNG state
-def capture_rng_state() -> dict:
-    # numpy's state is stored as a tensor so the checkpoint loads with weights_only=True.
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def restore_rng_state(state: dict):
-    random.setstate(_as_tuples(state["python"]))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def _as_tuples(obj):
-    # random.setstate insists on tuples; a round trip through some loaders yields lists.
-    return tuple(_as_tuples(x) for x in obj) if isinstance(obj, (list, tuple)) else obj
-
-
-def gather_rng_states() -> list:
-    """Every rank's RNG state, on every rank (rank 0 is the one that writes them)."""
-    mine = capture_rng_state()
-    if not dist.is_initialized():
-        return [mine]
-    states = [None] * dist.get_world_size()
-    dist.all_gather_object(states, mine)
-    return states
-
-
-# ---------------------------------------------------------------------------- saving
 def _sha256(path, chunk=1 << 22) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -149,68 +242,6 @@ def _remove(path):
         os.remove(path)
 
 
-def _publish(path, checkpoint_dir, prefix, keep_last, trainer_state, files):
-    """Rank 0, once `path` is complete: record it (`files`: {name: {size, sha256}}),
-    point `latest` at it, drop the oldest."""
-    record = {"global_step": trainer_state["global_step"], "tokens_seen": trainer_state["tokens_seen"],
-              "world_size": trainer_state["world_size"], "files": files}
-    atomic_write_text(f"{path}.json", json.dumps(record))
-    _point_latest(checkpoint_dir, prefix, path)
-    for old in list_checkpoints(checkpoint_dir, prefix)[max(1, keep_last):]:
-        _remove(f"{old}.json")  # unrecord first: a kill in between leaves an ignored leftover
-        _remove(old)
-
-
-def save_checkpoint(trainer_state: dict, model, optimizer, checkpoint_dir: str, prefix: str,
-                    keep_last: int = 3, sharded: bool = False) -> str:
-    """Write a resume checkpoint; every rank must call this (it gathers and synchronises).
-
-    `sharded`: the model is FSDP-sharded, so each rank writes its own shards (DCP);
-    otherwise rank 0 writes one .pth with the full fp32 weights and optimizer state.
-    """
-    trainer_state = dict(trainer_state, format=FORMAT, rng=gather_rng_states())
-    path = step_path(checkpoint_dir, prefix, trainer_state["global_step"], sharded)
-    model_state, optim_state = get_state_dict(model, optimizer)
-    if is_main_process():
-        os.makedirs(checkpoint_dir, exist_ok=True)
-        _remove(f"{path}.tmp")  # debris of a save that was killed
-    if sharded:
-        barrier()
-        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=f"{path}.tmp")
-        barrier()
-        if is_main_process():
-            torch.save(trainer_state, os.path.join(f"{path}.tmp", TRAINER_STATE))
-            _remove(path)
-            os.replace(f"{path}.tmp", path)
-            # Every rank wrote shards through DCP's own writer: hash them by reading back.
-            _publish(path, checkpoint_dir, prefix, keep_last, trainer_state, _file_records(path))
-    elif is_main_process():
-        written = atomic_torch_save(dict(trainer_state, model=model_state, optimizer=optim_state), path)
-        _publish(path, checkpoint_dir, prefix, keep_last, trainer_state, {os.path.basename(path): written})
-    barrier()
-    return path
-
-
-def restore_model_and_optimizer(state: dict, model, optimizer):
-    """Load a checkpoint's weights and optimizer state into this run's (possibly sharded) model.
-
-    A .pth is in rank 0's memory only (see load_latest_checkpoint): rank 0 broadcasts
-    it tensor by tensor and every rank keeps its part, so no other rank reads the file,
-    which may not even exist on its node."""
-    if not state["path"].endswith(".dcp"):
-        # Two calls, not set_state_dict: with an empty model state (every rank but 0) it
-        # would skip the model on those ranks and leave rank 0 alone in the broadcast.
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist.is_initialized())
-        set_optimizer_state_dict(model, optimizer, state.pop("optimizer", {}), options=options)
-        set_model_state_dict(model, state.pop("model", {}), options=options)
-        return
-    # A DCP folder: describe what this run holds, let DCP fill it from whatever sharding was saved.
-    model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=state["path"])
-    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
-
-
-# ---------------------------------------------------------------------------- loading
 def _load_trainer_state(path) -> dict:
     state_file = os.path.join(path, TRAINER_STATE) if os.path.isdir(path) else path
     return torch.load(state_file, map_location="cpu", weights_only=True)
@@ -241,7 +272,7 @@ def verify_checkpoint(path: str) -> dict:
         state = _load_trainer_state(path)
     except Exception as exc:
         raise ValueError(f"does not unpickle ({type(exc).__name__})") from None
-    required = TRAINER_KEYS | (set() if os.path.isdir(path) else WEIGHT_KEYS)
+    required = {"format", "model_config", *RECORD_KEYS} | (set() if os.path.isdir(path) else set(WEIGHT_KEYS))
     missing = required - set(state) if isinstance(state, dict) else required
     if missing or state.get("format") != FORMAT:
         raise ValueError(f"not a {FORMAT} checkpoint (missing {sorted(missing)})")
@@ -255,62 +286,3 @@ def check_config_matches(path: str, saved: dict, current: dict):
                 f"checkpoint {path} was saved with {key}={saved.get(key)}, but the flags give {key}={current.get(key)}; "
                 f"rerun with the flags it was trained with, or point --checkpoint_dir elsewhere to start fresh"
             )
-
-
-def _choose_checkpoint(checkpoint_dir, prefix, model_config: dict):
-    """Rank 0's pick: (path, state) to resume, (None, None) to start fresh; raises UserError to stop."""
-    candidates = list_checkpoints(checkpoint_dir, prefix)
-    if not candidates:
-        # Another prefix (say, a different --hidden_size) with a usable checkpoint means the
-        # flags changed, not that this is a new run: say so instead of silently starting over.
-        for other in sorted(list_checkpoints(checkpoint_dir), key=os.path.getmtime, reverse=True):
-            try:
-                saved_config = verify_checkpoint(other)["model_config"]
-            except ValueError:
-                continue
-            check_config_matches(other, saved_config, model_config)
-        return None, None
-    for path in candidates:
-        try:
-            state = verify_checkpoint(path)
-        except ValueError as exc:
-            Logger(f"skipping checkpoint {path}: {exc}")
-            continue
-        check_config_matches(path, state["model_config"], model_config)
-        return path, state
-    raise UserError(f"--from_resume 1: none of the {len(candidates)} checkpoints in {checkpoint_dir} is usable "
-                    f"(see above); move them aside to start fresh")
-
-
-def load_latest_checkpoint(checkpoint_dir: str, prefix: str, model_config: dict) -> dict | None:
-    """The newest verified checkpoint, or None when this run has none.
-
-    Only rank 0 looks at --checkpoint_dir and reads the checkpoint: on a cluster whose
-    nodes each have their own disk, the file exists on rank 0's node alone. Every rank
-    gets the trainer state (step, data position, every rank's RNG state; small) by
-    broadcast; the weights and optimizer state of a .pth stay on rank 0 until
-    restore_model_and_optimizer broadcasts them."""
-    trainer_state, message = None, None
-    if is_main_process():
-        try:
-            path, state = _choose_checkpoint(checkpoint_dir, prefix, model_config)
-        except UserError as exc:
-            path, state, message = None, None, str(exc)
-        if path is not None:
-            trainer_state = {k: v for k, v in state.items() if k not in WEIGHT_KEYS} | {"path": path}
-    trainer_state, message = broadcast_from_main((trainer_state, message))
-    if message:
-        raise UserError(message)
-    if trainer_state is None:
-        return None
-    if is_main_process() and not trainer_state["path"].endswith(".dcp"):
-        return dict(trainer_state, **{k: state[k] for k in WEIGHT_KEYS})
-    return trainer_state
-
-
-def lm_checkpoint(checkpoint_dir, prefix, model=None, optimizer=None, state=None, model_config=None,
-                  keep_last=3, sharded=False):
-    """MiniMind-style single entry point: save when `state` is given, else load the latest."""
-    if state is not None:
-        return save_checkpoint(state, model, optimizer, checkpoint_dir, prefix, keep_last, sharded)
-    return load_latest_checkpoint(checkpoint_dir, prefix, model_config or {})

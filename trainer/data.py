@@ -6,11 +6,10 @@ through a DistributedSampler, and where in the data each optimizer step starts.
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, DistributedSampler, Subset
 
 from common.errors import UserError
-from dataset.lm_dataset import PretrainDataset
+from dataset.lm_dataset import NextTokenTargets, PretrainDataset
 from dataset.packed_dataset import PackedPretrainDataset
 from dataset.shards import MANIFEST, PREP_DIR, ShardedPackedDataset
 from dataset.sources import GLOB_CHARS, resolve_data_paths
@@ -33,28 +32,24 @@ class ResumableDistributedSampler(DistributedSampler):
         return self.num_samples - self.start
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainData:
+    """Training and validation samples, each (input ids, next-token targets) whatever the files."""
     train: Dataset
     val: Dataset | None
-    labels_are_shifted: bool  # packed windows come with next-token targets already
-    val_labels_are_shifted: bool | None = None  # may differ: padded training, packed validation
-
-    def __post_init__(self):
-        if self.val_labels_are_shifted is None:
-            self.val_labels_are_shifted = self.labels_are_shifted
 
 
 def open_dataset(path: str, flag: str, tokenizer, max_seq_len: int, vocab_size: int):
     """One .jsonl or .bin file; or a manifest, directory or glob of .bin shards (one packed
-    stream) or of .jsonl files (their lines one after the other)."""
+    stream) or of .jsonl files (their lines one after the other). Samples are (input ids,
+    next-token targets) in both kinds."""
     as_path = Path(path)
     one_file = as_path.is_file() or not (as_path.is_dir() or any(c in path for c in GLOB_CHARS))
     if one_file and as_path.name != MANIFEST:  # a missing file gets the message of its kind
         if as_path.suffix == ".bin":
             return PackedPretrainDataset(path, max_seq_len, vocab_size=vocab_size, tokenizer=tokenizer)
         if as_path.suffix in (".jsonl", ".json"):
-            return PretrainDataset(path, tokenizer, max_seq_len)
+            return NextTokenTargets(PretrainDataset(path, tokenizer, max_seq_len))
     if as_path.is_file() and as_path.name != MANIFEST:
         raise UserError(f"{flag} {path}: expected a .jsonl file, or .bin shards made by scripts/prepare_data.py "
                         f"(a file, a directory or a quoted glob)")
@@ -68,24 +63,23 @@ def open_dataset(path: str, flag: str, tokenizer, max_seq_len: int, vocab_size: 
     if kinds == {".bin"}:
         return ShardedPackedDataset(path, max_seq_len, vocab_size=vocab_size, tokenizer=tokenizer)
     if kinds == {".jsonl"}:
-        return ConcatDataset([PretrainDataset(f, tokenizer, max_seq_len) for f in files])
+        return NextTokenTargets(ConcatDataset([PretrainDataset(f, tokenizer, max_seq_len) for f in files]))
     raise UserError(f"{flag} {path}: holds both .bin and .jsonl files; pass one kind")
 
 
 def build_data(args, tokenizer, vocab_size: int) -> TrainData:
     full = open_dataset(args.data_path, "--data_path", tokenizer, args.max_seq_len, vocab_size)
-    shifted = bool(getattr(full, "labels_are_shifted", False))
     if args.val_data_path:
-        val = open_dataset(args.val_data_path, "--val_data_path", tokenizer, args.max_seq_len, vocab_size)
         # Either kind validates either kind of run: runs on padded and on packed data can
         # then be compared on one validation set (scripts/bench_quality.py does).
-        return TrainData(full, val, shifted, bool(getattr(val, "labels_are_shifted", False)))
+        return TrainData(full, open_dataset(args.val_data_path, "--val_data_path", tokenizer, args.max_seq_len,
+                                            vocab_size))
     n_val = int(len(full) * args.val_fraction)
     if n_val == 0:
-        return TrainData(full, None, shifted)
+        return TrainData(full, None)
     # The tail is held out, so the split is the same on every rank and every run.
     n_train = len(full) - n_val
-    return TrainData(Subset(full, range(n_train)), Subset(full, range(n_train, len(full))), shifted)
+    return TrainData(Subset(full, range(n_train)), Subset(full, range(n_train, len(full))))
 
 
 def make_train_loader(dataset, sampler, args, pin_memory: bool) -> DataLoader:
@@ -133,10 +127,3 @@ def make_val_loader(val_set, args, rank: int, world_size: int, pin_memory: bool)
     n = min(len(val_set), args.eval_batches * args.batch_size * world_size) // world_size * world_size
     return DataLoader(Subset(val_set, range(rank, n, world_size)), batch_size=args.batch_size,
                       num_workers=0, pin_memory=pin_memory)
-
-
-def to_targets(labels: torch.Tensor, labels_are_shifted: bool) -> torch.Tensor:
-    """Next-token targets aligned with the inputs (-100 where nothing is predicted)."""
-    if labels_are_shifted:
-        return labels
-    return torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)

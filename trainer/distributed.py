@@ -13,50 +13,44 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from trainer.device import launcher_local_rank, resolve_device
+
 
 @dataclass
 class DistEnv:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
-    device: str = "cpu"
+    device: torch.device = torch.device("cpu")
 
     @property
     def distributed(self) -> bool:
         return self.world_size > 1 or dist.is_initialized()
 
 
-def init_distributed_mode(device_flag: str | None = None, local_rank_flag: int | None = None,
-                          timeout_s: float = 1800) -> DistEnv:
-    """Join the process group if a launcher started us, and pick this rank's device.
-
-    torchrun and `torch.distributed.launch` both export RANK/WORLD_SIZE; LOCAL_RANK
-    is in the environment under torchrun, and only on the command line
-    (`--local-rank=N`) under the legacy launcher, so the environment wins.
-    """
-    has_cuda = torch.cuda.is_available()
+def init_distributed_mode(device: torch.device | str | None = None, timeout_s: float = 1800,
+                          local_rank_flag: int | None = None) -> DistEnv:
+    """Join the process group if a launcher started us (torchrun and torch.distributed.launch
+    export RANK and WORLD_SIZE), on `device` (trainer/device.py's resolve_device decides it;
+    a string or None is resolved here). NCCL for CUDA processes, gloo for CPU ones.
+    `local_rank_flag`: --local-rank, which the legacy launcher passes instead of LOCAL_RANK."""
+    if not isinstance(device, torch.device):
+        device = resolve_device(device, local_rank_flag)
+    if device.type == "cuda":
+        # The process's current device, before NCCL starts: contexts, compiled kernels and memory stats land there.
+        torch.cuda.set_device(device)
     if "RANK" not in os.environ:
-        device = device_flag or ("cuda:0" if has_cuda else "cpu")
         return DistEnv(device=device)
-    local_rank = int(os.environ.get("LOCAL_RANK", local_rank_flag or 0))
-    wants_cpu = device_flag is not None and device_flag.startswith("cpu")
-    use_cuda = has_cuda and not wants_cpu
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
     timeout = timedelta(seconds=timeout_s)
-    backend = "nccl" if use_cuda else "gloo"
+    backend = "nccl" if device.type == "cuda" else "gloo"
     store = restart_safe_store(timeout)
     if store is None:
         dist.init_process_group(backend, timeout=timeout)
     else:
         dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
                                 world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
-    return DistEnv(
-        rank=dist.get_rank(),
-        local_rank=local_rank,
-        world_size=dist.get_world_size(),
-        device=f"cuda:{local_rank}" if use_cuda else "cpu",
-    )
+    return DistEnv(rank=dist.get_rank(), local_rank=launcher_local_rank(local_rank_flag),
+                   world_size=dist.get_world_size(), device=device)
 
 
 def restart_safe_store(timeout: timedelta):
@@ -135,6 +129,37 @@ def broadcast_from_main(obj):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+class Collectives:
+    """The few collectives the checkpoint manager and its parts use, over torch.distributed's
+    default group (each is a no-op in a single process). Its unit tests pass a stand-in that
+    plays one rank of a job in a thread."""
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size() if dist.is_initialized() else 1
+
+    def barrier(self):
+        barrier()
+
+    def broadcast(self, obj):
+        return broadcast_from_main(obj)
+
+    def all_gather(self, obj) -> list:
+        """Every rank's `obj`, in rank order, on every rank."""
+        if not dist.is_initialized():
+            return [obj]
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
+
+TORCH_COLLECTIVES = Collectives()
 
 
 def cleanup_distributed(clean: bool = True):

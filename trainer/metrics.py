@@ -18,7 +18,6 @@ import resource
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
@@ -42,10 +41,10 @@ PEAK_BF16_TFLOPS = [
 ]
 
 
-def peak_memory_mib(device: str) -> float:
+def peak_memory_mib(device: torch.device) -> float:
     """Rank 0's high-water mark: allocated GPU memory on CUDA, resident set size on CPU."""
-    if device.startswith("cuda"):
-        return torch.cuda.max_memory_allocated(torch.device(device)) / 2**20
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -62,40 +61,41 @@ def peak_bf16_tflops(device_name: str) -> float | None:
     return None
 
 
-def device_peak_flops(device: str, override_tflops: float = 0) -> float | None:
+def device_peak_flops(device: torch.device, override_tflops: float = 0) -> float | None:
     if override_tflops:
         return override_tflops * 1e12
-    if not device.startswith("cuda"):
+    if device.type != "cuda":
         return None
-    tflops = peak_bf16_tflops(torch.cuda.get_device_name(torch.device(device)))
+    tflops = peak_bf16_tflops(torch.cuda.get_device_name(device))
     return tflops * 1e12 if tflops else None
 
 
-class Throughput:
-    """Tokens per second, all positions and real (non-pad) ones, since the last report,
-    over training time only: time inside paused() (validation, checkpoints) is left out."""
+class TrainClock:
+    """The run's one clock. Wall time since the loop started, and training time: wall time
+    less the pauses (validation, checkpoint saves). tokens/s and MFU are rates over training
+    time, the ETA extrapolates wall time (the pauses will recur), and time-to-loss plots use
+    training time (the val rows' train_s)."""
 
-    def __init__(self, tokens_per_step: int, device: str = "cpu"):
-        self.tokens_per_step = tokens_per_step
-        self.cuda = torch.device(device) if device.startswith("cuda") else None
-        self._reset()
+    def __init__(self, device: torch.device = torch.device("cpu")):
+        self.cuda = device if device.type == "cuda" else None
+        self.start, self.paused_s = self._now(), 0.0
 
     def _now(self) -> float:
-        # Wait for queued GPU work, so it is counted on the side of the clock it belongs to.
+        # Wait for queued GPU work, so that it counts on the side of the clock it belongs to.
+        # Only read on steps that read the device anyway (logs, validation, saves).
         if self.cuda is not None:
             torch.cuda.synchronize(self.cuda)
         return time.perf_counter()
 
-    def _reset(self):
-        self.start, self.steps, self.real_tokens = self._now(), 0, 0.0
+    def wall_seconds(self) -> float:
+        return self._now() - self.start
 
-    def add(self, real_tokens: float, steps: int = 1):
-        self.steps += steps
-        self.real_tokens += real_tokens
+    def training_seconds(self) -> float:
+        return self.wall_seconds() - self.paused_s
 
     @contextmanager
     def paused(self, active: bool = True):
-        """Leave the time of the block out of the rates (inactive: no clock, no GPU sync)."""
+        """Leave the time of the block out of training time (inactive: no clock read, no GPU sync)."""
         if not active:
             yield
             return
@@ -103,10 +103,26 @@ class Throughput:
         try:
             yield
         finally:
-            self.start += self._now() - began
+            self.paused_s += self._now() - began
+
+
+class Throughput:
+    """Tokens per second, all positions and real (non-pad) ones, since the last report,
+    over the clock's training time."""
+
+    def __init__(self, tokens_per_step: int, clock: TrainClock):
+        self.tokens_per_step, self.clock = tokens_per_step, clock
+        self._reset()
+
+    def _reset(self):
+        self.since, self.steps, self.real_tokens = self.clock.training_seconds(), 0, 0.0
+
+    def add(self, real_tokens: float, steps: int = 1):
+        self.steps += steps
+        self.real_tokens += real_tokens
 
     def report(self) -> tuple[float, float]:
-        elapsed = self._now() - self.start
+        elapsed = self.clock.training_seconds() - self.since
         rates = self.steps * self.tokens_per_step / elapsed, self.real_tokens / elapsed
         self._reset()
         return rates
@@ -122,34 +138,19 @@ def _wandb_key_available() -> bool:
         return False
 
 
-@dataclass(frozen=True)
-class TrainRow:
-    """The training figures of one log line."""
-    step: int
-    epoch: int
-    loss: float
-    aux: float
-    lrs: dict  # {param group name: lr}
-    tokens_seen: int
-    tok_s: float
-    real_tok_s: float
-    mfu: float | None = None
-
-
 class RunLogger:
     """No-op on ranks other than 0, so the loop can call it unconditionally.
 
     `state`: the run's TrainState (where it starts, its plan, its wandb run id);
     `config`: the flags as the run resolved them, recorded by wandb."""
 
-    def __init__(self, args, prefix: str, state, config: dict, enabled: bool, device: str = "cpu"):
+    def __init__(self, args, prefix: str, state, config: dict, enabled: bool, clock: TrainClock,
+                 device: torch.device = torch.device("cpu")):
         self.enabled = enabled
-        self.device = device
+        self.device, self.clock = device, clock
         self.total_steps = state.plan.total_steps
         self.epochs = state.plan.epochs
         self.start_step = start_step = state.global_step
-        self.start_time = time.time()
-        self.untimed_s = 0.0
         self.wandb = None
         self.wandb_run_id = state.wandb_run_id
         if not enabled:
@@ -203,47 +204,35 @@ class RunLogger:
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=row["step"])
 
-    def log_train(self, r: TrainRow):
-        """"lr" in the row is the first group's, "lr_<name>" each group's."""
+    def log_train(self, step: int, epoch: int, loss: float, aux: float, lrs: dict, tokens_seen: int,
+                  tok_s: float, real_tok_s: float, mfu: float | None):
+        """One training line and row: "lr" in the row is the first group's, "lr_<name>" each group's."""
         if not self.enabled:
             return
         memory = peak_memory_mib(self.device)
-        row = {"kind": "train", "step": r.step, "epoch": r.epoch, "tokens_seen": r.tokens_seen, "loss": r.loss,
-               "aux_loss": r.aux, "lr": next(iter(r.lrs.values())), **{f"lr_{k}": v for k, v in r.lrs.items()},
-               "tokens_per_s": r.tok_s, "nonpad_tokens_per_s": r.real_tok_s, "peak_mem_mib": memory}
-        lr_text = " ".join(f"{k}={v:.2e}" for k, v in r.lrs.items())
+        row = {"kind": "train", "step": step, "epoch": epoch, "tokens_seen": tokens_seen, "loss": loss,
+               "aux_loss": aux, "lr": next(iter(lrs.values())), **{f"lr_{k}": v for k, v in lrs.items()},
+               "tokens_per_s": tok_s, "nonpad_tokens_per_s": real_tok_s, "peak_mem_mib": memory}
+        lr_text = " ".join(f"{k}={v:.2e}" for k, v in lrs.items())
         mfu_text = ""
-        if r.mfu is not None:
-            row["mfu"] = r.mfu
-            mfu_text = f" mfu {r.mfu:.1%}"
-        self.log(row, f"epoch {r.epoch + 1}/{self.epochs} step {r.step}/{self.total_steps} loss {r.loss:.4f} "
-                      f"aux {r.aux:.4f} lr {lr_text} tok/s {r.tok_s:,.0f} (non-pad {r.real_tok_s:,.0f}){mfu_text} "
-                      f"mem {memory:,.0f}MiB eta {self.eta(r.step)}")
+        if mfu is not None:
+            row["mfu"] = mfu
+            mfu_text = f" mfu {mfu:.1%}"
+        self.log(row, f"epoch {epoch + 1}/{self.epochs} step {step}/{self.total_steps} loss {loss:.4f} "
+                      f"aux {aux:.4f} lr {lr_text} tok/s {tok_s:,.0f} (non-pad {real_tok_s:,.0f}){mfu_text} "
+                      f"mem {memory:,.0f}MiB eta {self.eta(step)}")
 
     def log_val(self, step, tokens_seen, val_loss, val_bpb):
         self.log({"kind": "val", "step": step, "tokens_seen": tokens_seen, "val_loss": val_loss, "val_bpb": val_bpb,
-                  "train_s": self.train_seconds()},
+                  "train_s": self.clock.training_seconds()},
                  f"step {step}: val_loss {val_loss:.4f} (ppl {math.exp(min(val_loss, 50)):.2f}) "
                  f"bits/byte {val_bpb:.4f}")
-
-    @contextmanager
-    def untimed(self):
-        """Time spent inside (validation) does not count as training time."""
-        start = time.time()
-        try:
-            yield
-        finally:
-            self.untimed_s += time.time() - start
-
-    def train_seconds(self) -> float:
-        """Wall time since the loop started, less validation: the x axis of time-to-loss plots."""
-        return time.time() - self.start_time - self.untimed_s
 
     def eta(self, step: int) -> str:
         done = step - self.start_step
         if done <= 0:
             return "?"
-        seconds = (time.time() - self.start_time) / done * (self.total_steps - step)
+        seconds = self.clock.wall_seconds() / done * (self.total_steps - step)
         return time.strftime("%H:%M:%S", time.gmtime(seconds)) if seconds < 86400 else f"{seconds / 86400:.1f}d"
 
     def close(self):

@@ -32,13 +32,13 @@ class OptimConfig:
     fused: bool = True              # fused AdamW (CPU and CUDA); off for the exact-reference tests
 
     @classmethod
-    def from_args(cls, args, settings) -> "OptimConfig":
+    def from_args(cls, args, settings, device) -> "OptimConfig":
         """`settings`: the run's RunSettings (--optimizer and --dtype as resolved, never auto)."""
         return cls(optimizer=settings.optimizer, param_groups=args.param_groups, lr=args.learning_rate,
                    weight_decay=args.weight_decay, betas=args.adam_betas, muon_lr=args.muon_lr,
                    muon_momentum=args.muon_momentum,
                    ns_dtype="bfloat16" if settings.dtype == "bfloat16" else "float32",
-                   compile_ns=settings.device_type == "cuda")
+                   compile_ns=device.type == "cuda")
 
 
 def check_optim_args(args):
@@ -138,17 +138,18 @@ def describe(optimizer: Optimizers, peaks: dict) -> str:
 
 
 # ---------------------------------------------------------------------------- schedule
-def lr_factor(step: int, total_steps: int, warmup_steps: int = 0, min_lr_ratio: float = 0.1) -> float:
-    """Linear warmup to 1, then cosine decay to `min_lr_ratio` at `total_steps`."""
+def get_lr(step: int, total_steps: int, lr: float, warmup_steps: int = 0, min_lr_ratio: float = 0.1) -> float:
+    """The learning rate of optimizer step `step` (from 0) for a peak of `lr`: linear warmup to
+    `lr`, then cosine decay to `min_lr_ratio * lr` at `total_steps`. Without warmup this is
+    MiniMind's get_lr (trainer/trainer_utils.py exports it under that name)."""
     if step < warmup_steps:
-        return (step + 1) / warmup_steps
+        return lr * (step + 1) / warmup_steps
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def set_lr(optimizer, peaks: dict, step: int, total_steps: int, warmup_steps: int) -> dict:
     """Schedule every group from its own peak; returns {group name: lr} for the log."""
-    factor = lr_factor(step, total_steps, warmup_steps)
     for group in optimizer.param_groups:
-        group["lr"] = peaks[group["name"]] * factor
+        group["lr"] = get_lr(step, total_steps, peaks[group["name"]], warmup_steps)
     return {group["name"]: group["lr"] for group in optimizer.param_groups}

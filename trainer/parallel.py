@@ -23,7 +23,7 @@ def wrap_model(model, env, parallel: str = "ddp", dtype: str = "float32", use_co
         return torch.compile(model) if use_compile else model
     # device_ids only on CUDA: with gloo on CPU there is no device to pin. Gradients live in
     # DDP's all-reduce buckets (views), so no copy into and out of the buckets each step.
-    device_ids = [env.local_rank] if env.device.startswith("cuda") else None
+    device_ids = [env.device.index] if env.device.type == "cuda" else None
     net = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True, **no_buffer_sync())
     # Compiled after wrapping, dynamo's DDP optimizer cuts the graph at DDP's bucket
     # boundaries, so each bucket's all-reduce overlaps the rest of the backward; a model
@@ -59,7 +59,7 @@ def shard_model(model, env, dtype: str, use_compile: bool = False):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy()
-    if env.device.startswith("cuda") and dtype == "bfloat16":
+    if env.device.type == "cuda" and dtype == "bfloat16":
         # Compute in bf16, keep fp32 master weights and reduce gradients in fp32.
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.model.layers:

@@ -1,49 +1,19 @@
-"""Start-up checks of the things a flag names outside the process: the device, the
-folders the run will write to, and the temp folder DataLoader workers use. They run
+"""Start-up checks of the things a flag names outside the process: the folders the run
+will write to, and the temp folder DataLoader workers use (the device is trainer/device.py's). They run
 before the first training step, so a typo costs one line at launch, not a run that
 trains for an hour and fails at its first save.
 """
 import os
-import re
 import socket
 import tempfile
 import uuid
 
-import torch
 import torch.distributed as dist
 
 from common.errors import UserError
 from trainer.distributed import barrier, broadcast_from_main, is_main_process
 
 SHARED_MARKER = ".minimind_shared_check_"
-
-
-def check_device(device: str | None, local_rank_flag: int | None = None):
-    """`--device` must name a device this process can use; raises UserError saying why not.
-
-    Under a launcher (RANK set) each process takes cuda:LOCAL_RANK whatever N says (see
-    init_distributed_mode), so that GPU must exist; a single process takes cuda:N itself.
-    Checked before any process group is made: a bad CUDA device would otherwise end in
-    torch's AssertionError or an invalid-ordinal RuntimeError on every rank.
-    """
-    launched = "RANK" in os.environ
-    local_rank = int(os.environ.get("LOCAL_RANK", local_rank_flag or 0)) if launched else None
-    if device == "cpu" or (device is None and not (launched and torch.cuda.is_available())):
-        return
-    match = re.fullmatch(r"cuda(?::(\d+))?", device or "cuda")
-    if not match:
-        raise UserError(f"--device {device}: not a device this trainer runs on: pass --device cpu, cuda or cuda:N")
-    if not torch.cuda.is_available():
-        why = "this torch build has no CUDA" if torch.version.cuda is None else "no GPU is visible"
-        raise UserError(f"--device {device}: {why}: pass --device cpu")
-    count = torch.cuda.device_count()
-    if launched and local_rank >= count:
-        raise UserError(f"--device {device or 'cuda (the default)'}: this process has LOCAL_RANK {local_rank} and "
-                        f"takes cuda:{local_rank}, but {count} GPU(s) are visible: start at most {count} process(es) "
-                        f"per node, or pass --device cpu")
-    if not launched and match[1] is not None and int(match[1]) >= count:
-        raise UserError(f"--device {device}: GPU {match[1]} does not exist, {count} GPU(s) visible: "
-                        f"pass --device cuda:0 to cuda:{count - 1}, or --device cpu")
 
 
 # A Unix socket's path holds at most 107 bytes on Linux. multiprocessing, which DataLoader

@@ -38,7 +38,7 @@ class Profiling:
 
     def __init__(self, args, prefix: str, rank: int, device: str, start_step: int, total_steps: int):
         self.folder = os.path.join(args.save_dir, "profile")
-        self.prefix, self.rank, self.cuda = prefix, rank, device.startswith("cuda")
+        self.prefix, self.rank, self.cuda = prefix, rank, device.type == "cuda"
         # A window past the run's end ends with the run.
         clip = lambda w: (w[0], min(w[1], total_steps)) if w and w[0] <= total_steps else None  # noqa: E731
         self.window = clip(args.profile_steps) if args.profile_ranks == "all" or rank == 0 else None

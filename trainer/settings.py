@@ -11,9 +11,9 @@ from trainer.device import cuda_has_native_bf16, native_bf16_cpu_flags, read_cpu
 from trainer.distributed import Logger
 
 
-def resolve_dtype(flag: str, device: str, cpu_flags=frozenset(), cuda_bf16: bool = True,
+def resolve_dtype(flag: str, device_type: str, cpu_flags=frozenset(), cuda_bf16: bool = True,
                   sharded: bool = False) -> tuple[str, str]:
-    """(dtype name, why) for --dtype `flag` on `device`.
+    """(dtype name, why) for --dtype `flag` on a device of `device_type` ("cpu" or "cuda").
 
     auto: bf16 on CUDA, fp16 (with a GradScaler) on GPUs without native bf16 -- but fp32
     under FSDP, which has no sharded GradScaler here; on CPU bf16 autocast only where the
@@ -21,7 +21,7 @@ def resolve_dtype(flag: str, device: str, cpu_flags=frozenset(), cuda_bf16: bool
     """
     if flag != "auto":
         return flag, "--dtype"
-    if device.startswith("cuda"):
+    if device_type == "cuda":
         if cuda_bf16:
             return "bfloat16", "auto: the GPU has native bf16"
         if sharded:
@@ -33,7 +33,7 @@ def resolve_dtype(flag: str, device: str, cpu_flags=frozenset(), cuda_bf16: bool
     return "float32", "auto: the CPU lacks amx_bf16/avx512_bf16, where bf16 autocast is slower than fp32"
 
 
-def resolve_optimizer(flag: str, device: str, dtype: str, cpu_flags=frozenset(),
+def resolve_optimizer(flag: str, device_type: str, dtype: str, cpu_flags=frozenset(),
                       param_groups: str = "split") -> tuple[str, str]:
     """(optimizer name, why) for --optimizer `flag`, once the run's dtype is known.
 
@@ -49,47 +49,40 @@ def resolve_optimizer(flag: str, device: str, dtype: str, cpu_flags=frozenset(),
     if dtype == "float16":
         return "adamw", ("auto: fp16 on a GPU without native bf16, where Muon's Newton-Schulz would run in fp32, "
                          "far below the fp16 rate of the rest of the step")
-    on_cuda = device.startswith("cuda")
-    if dtype == "bfloat16" and not on_cuda and not native_bf16_cpu_flags(cpu_flags):
+    if dtype == "bfloat16" and device_type == "cpu" and not native_bf16_cpu_flags(cpu_flags):
         return "adamw", ("auto: bf16 is emulated on this CPU, where Muon's bf16 Newton-Schulz made a step "
                          "about 6x an AdamW step")
     precision = "bf16" if dtype == "bfloat16" else "fp32"
     return "muon", f"auto: Newton-Schulz in {precision}, the run's own precision, native here"
 
 
-def detect_dtype(flag: str, device: str, sharded: bool = False) -> tuple[str, str]:
+def detect_dtype(flag: str, device: torch.device, sharded: bool = False) -> tuple[str, str]:
     """resolve_dtype with this machine's facts."""
-    on_cuda = device.startswith("cuda")
-    return resolve_dtype(flag, device, cpu_flags=frozenset() if on_cuda else read_cpu_flags(),
+    on_cuda = device.type == "cuda"
+    return resolve_dtype(flag, device.type, cpu_flags=frozenset() if on_cuda else read_cpu_flags(),
                          cuda_bf16=cuda_has_native_bf16(device) if on_cuda else False, sharded=sharded)
 
 
-def detect_optimizer(flag: str, device: str, dtype: str, param_groups: str = "split") -> tuple[str, str]:
+def detect_optimizer(flag: str, device: torch.device, dtype: str, param_groups: str = "split") -> tuple[str, str]:
     """resolve_optimizer with this machine's facts."""
-    on_cuda = device.startswith("cuda")
-    return resolve_optimizer(flag, device, dtype, cpu_flags=frozenset() if on_cuda else read_cpu_flags(),
-                             param_groups=param_groups)
+    cpu_flags = read_cpu_flags() if device.type == "cpu" else frozenset()
+    return resolve_optimizer(flag, device.type, dtype, cpu_flags=cpu_flags, param_groups=param_groups)
 
 
 @dataclass(frozen=True)
 class RunSettings:
     dtype: str  # float32 | bfloat16 | float16
     optimizer: str  # adamw | muon
-    device: str
     sharded: bool  # FSDP over several processes: sharded weights, optimizer state and checkpoints
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
 
-    @property
-    def device_type(self) -> str:
-        return "cuda" if self.device.startswith("cuda") else "cpu"
-
-    def autocast(self) -> AbstractContextManager:
+    def autocast(self, device: torch.device) -> AbstractContextManager:
         if self.dtype == "float32":
             return nullcontext()
-        return torch.autocast(self.device_type, dtype=self.torch_dtype)
+        return torch.autocast(device.type, dtype=self.torch_dtype)
 
     def as_flags(self, args, accumulation_steps: int) -> dict:
         """The flags with what the run resolved in place of auto and of the derived values
@@ -105,4 +98,4 @@ def resolve_settings(args, env) -> RunSettings:
     Logger(f"dtype: {dtype} ({why})")
     optimizer, why = detect_optimizer(args.optimizer, env.device, dtype, args.param_groups)
     Logger(f"optimizer: {optimizer} ({why})")
-    return RunSettings(dtype, optimizer, env.device, sharded)
+    return RunSettings(dtype, optimizer, sharded)

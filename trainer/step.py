@@ -2,14 +2,14 @@
 the device until it reads them anyway."""
 import math
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from model.document_mask import document_causal_mask
-from trainer.data import to_targets
-from trainer.parallel import as_local_scalar, gradient_sync
 from trainer.distributed import all_reduce_sum
+from trainer.hooks import StepHooks
+from trainer.parallel import as_local_scalar, gradient_sync
 
 
 @dataclass(frozen=True)
@@ -18,14 +18,21 @@ class StepContext:
     net: torch.nn.Module  # the module the loop calls: DDP, FSDP or torch.compile around the model
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
-    device: str
+    device: torch.device
     world_size: int
     autocast: AbstractContextManager = nullcontext()  # torch.autocast, or nothing for fp32
-    labels_are_shifted: bool = False  # packed windows come with next-token targets already
     doc_mask: bool = False  # attention stays inside each document of a packed window
     bos_id: int | None = None  # where documents start, for doc_mask
-    tokens_known: bool = False  # every target is real (packed windows): the count needs no all-reduce
     grad_clip: float = 0.0  # 0 or less: no clipping
+    hooks: StepHooks = field(default_factory=StepHooks)  # nothing, except in tests (trainer/hooks.py)
+
+
+@dataclass(frozen=True)
+class Requests:
+    """What this rank asks of the step. They travel in the step's one all-reduce, so every rank
+    learns at the same step that any rank asked."""
+    stop: bool = False  # a preemption signal arrived here
+    save: bool = False  # rank 0's clock says a time-based save is due (other ranks say False)
 
 
 @dataclass
@@ -33,33 +40,26 @@ class StepResult:
     stats: torch.Tensor  # on the device, summed over ranks: (loss x tokens, aux loss, tokens)
     skipped: bool  # a non-finite loss or gradient norm on some rank: no update was made
     stop: bool  # some rank was asked to stop (preemption)
+    save: bool  # rank 0 asked for a save
 
     def mean_loss(self) -> float:
         return (self.stats[0] / self.stats[2]).item()
 
 
-def optimizer_step(ctx: StepContext, micro_batches, poison: bool = False,
-                   preempt_requested: bool = False) -> StepResult:
-    """Forward/backward over the micro-batches and one optimizer update.
+def optimizer_step(ctx: StepContext, micro_batches, requests: Requests = Requests()) -> StepResult:
+    """Forward/backward over the micro-batches of (input ids, next-token targets), and one update.
 
     Every token of the global batch weighs the same: each micro-batch's summed loss
     is divided by the batch's token count over all ranks (DDP then averages the
     ranks' gradients, hence the world_size factor). With padding, MiniMind's
     per-micro-batch mean would weigh short documents more, and differently per world size.
-    `poison` makes this rank's loss NaN (fault injection).
 
-    The host reads the device once, for the skip/stop decision agreed by all ranks: on a
-    GPU every read waits for the queued work to finish, so the next step cannot be queued.
+    The host reads the device once, for the skip/stop/save decision agreed by all ranks: on
+    a GPU every read waits for the queued work to finish, so the next step cannot be queued.
     """
     device, accum = ctx.device, len(micro_batches)
-    batches = [(x.to(device, non_blocking=True), to_targets(y, ctx.labels_are_shifted).to(device, non_blocking=True))
-               for x, y in micro_batches]
-    if ctx.tokens_known:
-        # torch.full fills on the device; torch.tensor(x, device=...) would be a blocking copy.
-        tokens = torch.full((), sum(t.numel() for _, t in batches) * ctx.world_size, dtype=torch.float64,
-                            device=device)
-    else:
-        tokens = all_reduce_sum(sum((t != -100).sum() for _, t in batches).double())
+    batches = [(x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in micro_batches]
+    tokens = all_reduce_sum(sum((y != -100).sum() for _, y in batches).double())
     per_rank_tokens = (tokens / ctx.world_size).float()
     loss_sum = torch.zeros((), device=device)
     aux_sum = torch.zeros((), device=device)
@@ -69,9 +69,7 @@ def optimizer_step(ctx: StepContext, micro_batches, poison: bool = False,
             with ctx.autocast:
                 mask = document_causal_mask(x, ctx.bos_id) if ctx.doc_mask else None
                 out = ctx.net(x, attention_mask=mask, shift_labels=targets, num_items_in_batch=per_rank_tokens)
-                loss = out.loss + out.aux_loss / accum
-                if poison:
-                    loss = loss * float("nan")
+                loss = ctx.hooks.loss(out.loss + out.aux_loss / accum)
             ctx.scaler.scale(loss).backward()
         loss_sum += out.loss.detach().float() * per_rank_tokens
         aux_sum += out.aux_loss.detach().float() / accum
@@ -82,17 +80,19 @@ def optimizer_step(ctx: StepContext, micro_batches, poison: bool = False,
     # Under fp16 the GradScaler owns inf gradients: it skips the step and lowers its scale.
     bad_grad = torch.zeros((), device=device) if ctx.scaler.is_enabled() else (~torch.isfinite(grad_norm)).float()
     # One collective carries every per-step agreement: the loss for logging, a non-finite
-    # loss or gradient norm on any rank, and a preemption request seen by any rank.
+    # loss or gradient norm on any rank, and what any rank requested.
     flags = torch.stack([loss_sum, aux_sum, (~torch.isfinite(loss_sum)).float(), bad_grad.to(loss_sum.dtype),
-                         torch.full((), float(preempt_requested), device=device)])
+                         torch.full((), float(requests.stop), device=device),
+                         torch.full((), float(requests.save), device=device)])
     all_reduce_sum(flags)
-    bad_loss, bad_grad, stop = read_flags(flags[2:])
+    bad_loss, bad_grad, stop, save = read_flags(flags[2:])
     skipped = bad_loss or bad_grad
     if not skipped:
         ctx.scaler.step(ctx.optimizer)
     ctx.scaler.update()
     ctx.optimizer.zero_grad(set_to_none=True)
-    return StepResult(torch.stack([flags[0].double(), flags[1].double() / ctx.world_size, tokens]), skipped, stop)
+    return StepResult(torch.stack([flags[0].double(), flags[1].double() / ctx.world_size, tokens]), skipped, stop,
+                      save)
 
 
 def read_flags(flags: torch.Tensor) -> list[bool]:

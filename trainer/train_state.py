@@ -11,6 +11,7 @@ skipping k*G positions, and with a fixed G the sample order is topology-invarian
 from dataclasses import dataclass
 
 from common.errors import UserError
+from trainer.distributed import Logger
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,11 @@ class TrainState:
         self.global_step = self.resumed_step(saved)
         self.tokens_seen = saved["tokens_seen"]
         self.wandb_run_id = saved.get("wandb_run_id")
+        if saved["samples_per_step"] != self.plan.samples_per_step:
+            step_in_epoch = self.global_step - saved["epoch"] * self.plan.steps_per_epoch
+            Logger(f"resume: world size {saved['world_size']} -> {self.plan.world_size}, step "
+                   f"{saved['step_in_epoch']} -> {step_in_epoch} of epoch {saved['epoch']} (step * "
+                   f"{saved['samples_per_step']} samples // {self.plan.samples_per_step} samples per step)")
 
     def resumed_step(self, saved: dict) -> int:
         """The saved data position as a step of this run (its plan may differ in world size)."""

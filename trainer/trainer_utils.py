@@ -1,47 +1,26 @@
-"""The shared module of the training scripts, where MiniMind users look for it: distributed
-setup, sampler sharding, checkpoint entry points, LR schedule, seeding and model
-construction. The distributed plumbing lives in trainer/distributed.py, checkpointing in
-trainer/checkpoint.py and the sampler in trainer/data.py; they are re-exported here.
+"""The shared module of the training scripts, where MiniMind users look for its entry
+points: get_lr, Logger, is_main_process, init_distributed_mode, setup_seed, init_model and
+lm_checkpoint. Each is the very function the trainer uses (tests/test_trainer_utils.py
+fails otherwise): the seeding and model construction are defined here, the rest where
+their concept lives (the LR schedule in trainer/optim.py, the process group in
+trainer/distributed.py, checkpoints in trainer/checkpoint.py) and exported here by name.
 Nothing in trainer/ imports this module back, so there is no cycle."""
-import math
 import random
 
 import numpy as np
 import torch
 
-from common.errors import UserError
+from common.errors import UserError, WeightsError
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM, count_parameters
-from model.weights import WeightsError, build_model, load_weights, read_sidecar, resolve_config
-from trainer.checkpoint import (
-    lm_checkpoint, load_latest_checkpoint, restore_model_and_optimizer, save_checkpoint,
-)
-from trainer.data import ResumableDistributedSampler
-from trainer.distributed import (
-    DistEnv, Logger, all_reduce_sum, barrier, broadcast_from_main, cleanup_distributed, exit_peer_lost, fail,
-    group_store, init_distributed_mode, is_main_process, peer_lost,
-)
+from model.shape_flags import resolve_config
+from model.weights import build_model, load_weights, read_sidecar
+from trainer.checkpoint import CheckpointManager
+from trainer.distributed import Logger, init_distributed_mode, is_main_process
+from trainer.optim import get_lr
+from trainer.stateful import ModelState
 
-
-__all__ = [
-    # distributed setup and helpers
-    "DistEnv", "Logger", "all_reduce_sum", "barrier", "broadcast_from_main", "cleanup_distributed",
-    "exit_peer_lost", "fail", "group_store", "init_distributed_mode", "is_main_process", "peer_lost",
-    # sampler sharding
-    "ResumableDistributedSampler",
-    # checkpoints
-    "lm_checkpoint", "load_latest_checkpoint", "restore_model_and_optimizer", "save_checkpoint",
-    # defined here
-    "UserError", "get_lr", "init_model", "model_config_from_args", "setup_seed",
-]
-
-
-# ---------------------------------------------------------------------------- schedule, seeds
-def get_lr(step: int, total_steps: int, lr: float, warmup_steps: int = 0, min_lr_ratio: float = 0.1) -> float:
-    """Linear warmup to `lr`, then cosine decay to `min_lr_ratio * lr` at `total_steps`."""
-    if step < warmup_steps:
-        return lr * (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+__all__ = ["get_lr", "Logger", "is_main_process", "init_distributed_mode", "setup_seed", "init_model",
+           "model_config_from_args", "lm_checkpoint"]
 
 
 def setup_seed(seed: int):
@@ -54,7 +33,6 @@ def setup_seed(seed: int):
         torch.cuda.manual_seed_all(seed)
 
 
-# ---------------------------------------------------------------------------- model
 def model_config_from_args(args, vocab_size: int) -> MiniMindConfig:
     """The model the flags describe, or the config stored beside --from_weight (x.pth -> x.json),
     which decides the shape flags not typed; typed ones must agree with it."""
@@ -89,3 +67,32 @@ def init_model(config: MiniMindConfig, from_weight: str | None = None, device="c
     else:
         Logger(f"model: {total / 1e6:.2f}M parameters")
     return model.to(device)
+
+
+class _PlainState:
+    """A dict of the caller's (step counters and the like) as a checkpoint part."""
+
+    def __init__(self, state: dict):
+        self.state = state
+
+    def state_dict(self) -> dict:
+        return dict(self.state)
+
+    def load_state_dict(self, saved: dict):
+        self.state.update({k: saved[k] for k in self.state})
+
+
+def lm_checkpoint(checkpoint_dir, prefix, model=None, optimizer=None, state=None, model_config=None,
+                  keep_last=3, sharded=False):
+    """MiniMind's single entry point, through the trainer's CheckpointManager: with `state` (a dict
+    holding at least global_step, tokens_seen and world_size) it saves a resume checkpoint of the
+    model, optimizer and state, and returns its path; without, it returns the newest verified
+    checkpoint of `prefix` as a dict (the weights in rank 0's copy), or None."""
+    if model_config is None:
+        model_config = model.config.to_dict() if model is not None else (state or {}).get("model_config", {})
+    parts = {"state": _PlainState({k: v for k, v in (state or {}).items() if k != "model_config"})}
+    manager = CheckpointManager(checkpoint_dir, prefix, model_config, ModelState(model, optimizer), parts,
+                                keep_last, sharded)
+    if state is not None:
+        return manager.save(state["global_step"])
+    return manager.latest()

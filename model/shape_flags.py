@@ -1,0 +1,57 @@
+"""The model-shape flags every script shares (--hidden_size, --num_hidden_layers, ...), what
+they mean when not given, and how given flags meet a config stored beside the weights: the
+stored config wins, and a given flag must agree with it."""
+from common.errors import WeightsError
+
+from .model_minimind import MiniMindConfig
+
+# The config fields the scripts expose as --flags; everything else comes from the defaults.
+SHAPE_FLAGS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "use_moe")
+# The default model of every script, trainer/args.py included: hidden 512 x 8 layers
+# (MiniMindConfig's own default hidden size is 768). One table, so that a default
+# training run and default script runs find each other's files.
+FLAG_DEFAULTS = {"hidden_size": 512, "num_hidden_layers": 8}
+
+
+def flag_default(name):
+    """What a shape flag means when it is not given and no stored config decides."""
+    return int(FLAG_DEFAULTS.get(name, getattr(MiniMindConfig(), name)))
+
+
+def resolve_config(stored, flags, source):
+    """The MiniMindConfig to build: a stored config wins, and flags passed explicitly
+    (not None) must agree with it; without a stored config the flags decide."""
+    flags = {k: v for k, v in flags.items() if v is not None}
+    if stored is None:
+        return MiniMindConfig(**{**FLAG_DEFAULTS, **flags})
+    config = stored if isinstance(stored, MiniMindConfig) else MiniMindConfig.from_dict(dict(stored))
+    for name, value in flags.items():
+        have = getattr(config, name)
+        if (bool(value) != have) if name == "use_moe" else (value != have):
+            have = int(have) if name == "use_moe" else have
+            raise WeightsError(f"{source}: the model was trained with --{name} {have} but --{name} {value} "
+                               f"was passed: drop the flag or pass --{name} {have}")
+    return config
+
+
+def guess_flags(state):
+    """The shape flags a state_dict was trained with, read off its tensor shapes (None if unsure)."""
+    try:
+        head_dim = state["model.layers.0.self_attn.q_norm.weight"].shape[0]
+        return {
+            "hidden_size": state["model.embed_tokens.weight"].shape[1],
+            "num_hidden_layers": 1 + max(int(n.split(".")[2]) for n in state if n.startswith("model.layers.")),
+            "num_attention_heads": state["model.layers.0.self_attn.q_proj.weight"].shape[0] // head_dim,
+            "num_key_value_heads": state["model.layers.0.self_attn.k_proj.weight"].shape[0] // head_dim,
+            "use_moe": int(any(".mlp.experts." in n for n in state)),
+        }
+    except (KeyError, ValueError, IndexError, AttributeError):
+        return None
+
+
+def format_flags(flags):
+    return " ".join(f"--{k} {int(v) if isinstance(v, bool) else v}" for k, v in flags.items())
+
+
+def config_flags(config):
+    return {name: (int(config.use_moe) if name == "use_moe" else getattr(config, name)) for name in SHAPE_FLAGS}

@@ -1,0 +1,278 @@
+"""trainer/checkpoint.py's CheckpointManager in this process: save, verify, choose and rotate,
+over Stateful parts. For two ranks, each rank is a thread with a stand-in for the
+collectives (a threading.Barrier), so the tests see what every rank does: the same
+collectives in the same order (or the job would hang), only rank 0 touches
+--checkpoint_dir (rank 1's may be another node's disk, even absent), and rank 0's
+decision reaches every rank."""
+import json
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from common.atomic import atomic_torch_save
+from common.errors import UserError
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+from tests.fault_helpers import tree_digest
+from tests.launch_utils import FLAGS
+from trainer import checkpoint
+from trainer.checkpoint import FORMAT, CheckpointManager, list_checkpoints, step_path
+from trainer.stateful import ModelState, RNGState, ScalerState
+from trainer.train_state import StepPlan, TrainState
+
+PREFIX = "pretrain_64"
+CONFIG = MiniMindConfig(**FLAGS).to_dict()
+
+
+class ThreadRank:
+    """One rank of a job whose ranks are threads of this process; records its collectives."""
+
+    def __init__(self, job: "ThreadJob", rank: int):
+        self.job, self.rank, self.calls = job, rank, []
+
+    @property
+    def world_size(self) -> int:
+        return self.job.world_size
+
+    def barrier(self):
+        self.calls.append("barrier")
+        self.job.barrier.wait(timeout=30)
+
+    def broadcast(self, obj):
+        self.calls.append("broadcast")
+        return self.all_gather_raw(obj)[0]
+
+    def all_gather(self, obj) -> list:
+        self.calls.append("all_gather")
+        return self.all_gather_raw(obj)
+
+    def all_gather_raw(self, obj) -> list:
+        self.job.slots[self.rank] = obj
+        self.job.barrier.wait(timeout=30)
+        gathered = [self.job.slots[r] for r in range(self.world_size)]
+        self.job.barrier.wait(timeout=30)
+        return gathered
+
+
+class ThreadJob:
+    def __init__(self, world_size: int):
+        self.world_size, self.barrier, self.slots = world_size, threading.Barrier(world_size), {}
+
+    def run(self, fn) -> list:
+        """fn(rank: ThreadRank) on every rank at once; each rank's (ThreadRank, result or exception)."""
+        ranks = [ThreadRank(self, r) for r in range(self.world_size)]
+        results = [None] * self.world_size
+
+        def call(r):
+            try:
+                results[r] = fn(ranks[r])
+            except BaseException as exc:  # noqa: BLE001  shown to the test (a rank left behind times out)
+                results[r] = exc
+        threads = [threading.Thread(target=call, args=(r,), name=f"rank{r}") for r in range(self.world_size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        return list(zip(ranks, results))
+
+
+class FakeModel:
+    """The model part without a model: fixed weights, and what a resume gave it."""
+
+    def __init__(self, value: float = 1.0):
+        self.weights, self.loaded = {"w": torch.full((4, 4), value)}, None
+
+    def finite(self):
+        return True
+
+    def state_dict(self):
+        return {"model": self.weights, "optimizer": {"state": {}, "param_groups": []}}
+
+    def load_state_dict(self, saved):
+        self.loaded = saved
+
+
+def plan(world_size=1):
+    return StepPlan(batch_size=4, world_size=world_size, accumulation_steps=2 // world_size, steps_per_epoch=100,
+                    total_steps=100)
+
+
+def manager(folder, rank=None, model=None, state=None, keep_last=3, config=CONFIG, parts=None) -> CheckpointManager:
+    collectives = rank if rank is not None else ThreadRank(ThreadJob(1), 0)
+    state = state or TrainState(plan(collectives.world_size))
+    parts = parts or {"train_state": state, "rng": RNGState(collectives)}
+    return CheckpointManager(str(folder), PREFIX, config, model or FakeModel(), parts, keep_last,
+                             collectives=collectives)
+
+
+def save_at(folder, step, tokens=None, keep_last=3):
+    state = TrainState(plan(), global_step=step, tokens_seen=tokens if tokens is not None else 100 * step)
+    return manager(folder, state=state, keep_last=keep_last).save(step)
+
+
+# ---------------------------------------------------------------------------- one rank
+def test_a_save_is_the_checkpoint_its_record_and_the_link(tmp_path):
+    path = save_at(tmp_path, 4)
+    assert path == step_path(str(tmp_path), PREFIX, 4)
+    assert sorted(tree_digest(tmp_path)) == [f"{PREFIX}_resume.pth", f"{PREFIX}_resume_step0000004.pth",
+                                              f"{PREFIX}_resume_step0000004.pth.json"]
+    record = json.loads(Path(f"{path}.json").read_text())
+    assert (record["global_step"], record["tokens_seen"], record["world_size"]) == (4, 400, 1)
+    saved = torch.load(path, weights_only=True)
+    assert saved["format"] == FORMAT and saved["model_config"] == CONFIG
+    assert {"model", "optimizer", "rng", "global_step", "epoch", "step_in_epoch", "samples_per_step",
+            "tokens_seen", "world_size", "wandb_run_id"} <= set(saved)
+
+
+def test_rotation_keeps_the_newest_by_tokens_trained_not_by_step(tmp_path):
+    for step, tokens in [(2, 200), (4, 400), (6, 600), (3, 700)]:  # step 3 of a run on fewer ranks: most tokens
+        save_at(tmp_path, step, tokens, keep_last=3)
+    assert [Path(p).name for p in list_checkpoints(str(tmp_path), PREFIX)] == \
+        [f"{PREFIX}_resume_step{s:07d}.pth" for s in (3, 6, 4)]
+    assert os.readlink(tmp_path / f"{PREFIX}_resume.pth") == f"{PREFIX}_resume_step0000003.pth"
+    state = TrainState(plan())
+    assert manager(tmp_path, state=state).resume()["global_step"] == 3
+    assert state.tokens_seen == 700
+
+
+def test_an_unverifiable_newest_is_skipped_and_all_unusable_stops(tmp_path, capsys):
+    for step in (2, 4):
+        save_at(tmp_path, step)
+    newest = step_path(str(tmp_path), PREFIX, 4)
+    with open(newest, "r+b") as f:
+        f.truncate(100)
+    assert manager(tmp_path).latest()["global_step"] == 2
+    assert f"skipping checkpoint {newest}: " in capsys.readouterr().out
+    os.remove(f"{step_path(str(tmp_path), PREFIX, 2)}.json")  # killed before its record was written
+    with pytest.raises(UserError, match="none of the 2 checkpoints in .* is usable"):
+        manager(tmp_path).latest()
+
+
+def test_no_checkpoint_starts_fresh_but_another_shape_is_named(tmp_path):
+    assert manager(tmp_path / "empty").resume() is None
+    save_at(tmp_path, 2)
+    wider = dict(CONFIG, hidden_size=128)
+    other = CheckpointManager(str(tmp_path), "pretrain_128", wider, FakeModel(), {},
+                              collectives=ThreadRank(ThreadJob(1), 0))
+    with pytest.raises(UserError, match="saved with hidden_size=64, but the flags give hidden_size=128"):
+        other.latest()
+
+
+def test_non_finite_weights_are_never_saved(tmp_path):
+    class NaNModel(FakeModel):
+        def finite(self):
+            return False
+
+    with pytest.raises(RuntimeError, match="not finite; refusing to save"):
+        manager(tmp_path, model=NaNModel()).save(2)
+    assert not tmp_path.exists() or not list(tmp_path.iterdir())
+
+
+def test_a_part_saves_and_loads_a_field_of_its_own(tmp_path):
+    """Adding a field is one edit, in the part that owns it: the manager carries any part."""
+    class Curriculum:
+        def __init__(self, stage=0):
+            self.stage = stage
+
+        def state_dict(self):
+            return {"curriculum_stage": self.stage}
+
+        def load_state_dict(self, saved):
+            self.stage = saved["curriculum_stage"]
+
+    job = ThreadRank(ThreadJob(1), 0)
+    make = lambda part: CheckpointManager(str(tmp_path), PREFIX, CONFIG, FakeModel(),  # noqa: E731
+                                          {"train_state": TrainState(plan(), 5, 500), "curriculum": part},
+                                          collectives=job)
+    make(Curriculum(stage=3)).save(5)
+    resumed = Curriculum()
+    make(resumed).resume()
+    assert resumed.stage == 3
+
+
+def test_a_checkpoint_of_the_first_format_resumes(tmp_path):
+    """Checkpoints already written (minimind-resume-v1, one flat dict, as the trainer wrote them
+    before the manager) load into today's parts."""
+    torch.manual_seed(0)
+    model = MiniMindForCausalLM(MiniMindConfig(**FLAGS))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(3, 6400, (2, 8))
+    model(ids, labels=ids).loss.backward()
+    optimizer.step()
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    model_state, optim_state = get_state_dict(model, optimizer)  # by parameter name, as the trainer saved them
+    old = {"format": "minimind-resume-v1", "scaler": scaler.state_dict(), "global_step": 8, "epoch": 0,
+           "step_in_epoch": 8, "samples_per_step": 8, "world_size": 1, "tokens_seen": 4096, "wandb_run_id": "abc",
+           "model_config": CONFIG, "rng": [checkpoint_rng()], "model": model_state,
+           "optimizer": optim_state}
+    path = step_path(str(tmp_path), PREFIX, 8)
+    written = atomic_torch_save(old, path)
+    Path(f"{path}.json").write_text(json.dumps({"global_step": 8, "tokens_seen": 4096, "world_size": 1,
+                                                 "files": {Path(path).name: written}}))
+    torch.manual_seed(1)
+    fresh = MiniMindForCausalLM(MiniMindConfig(**FLAGS))
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    state = TrainState(plan())
+    saved = CheckpointManager(str(tmp_path), PREFIX, CONFIG, ModelState(fresh, fresh_optimizer),
+                              {"train_state": state, "scaler": ScalerState(scaler), "rng": RNGState()}).resume()
+    assert saved["path"] == path
+    assert (state.global_step, state.tokens_seen, state.wandb_run_id) == (8, 4096, "abc")
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], tensor), name
+    assert fresh_optimizer.state_dict()["state"][0]["exp_avg"].equal(optimizer.state_dict()["state"][0]["exp_avg"])
+
+
+def checkpoint_rng():
+    from trainer.stateful import capture_rng_state
+
+    return capture_rng_state()
+
+
+# ---------------------------------------------------------------------------- two ranks
+def test_only_rank_0_writes_and_both_ranks_join_the_same_collectives(tmp_path):
+    """Rank 1's --checkpoint_dir is another node's disk: nothing may appear there."""
+    folders = [tmp_path / "node0", tmp_path / "node1"]
+    done = ThreadJob(2).run(lambda rank: manager(folders[rank.rank], rank).save(4))
+    for rank, result in done:
+        assert not isinstance(result, BaseException), result
+    assert sorted(tree_digest(folders[0])) == [f"{PREFIX}_resume.pth", f"{PREFIX}_resume_step0000004.pth",
+                                                f"{PREFIX}_resume_step0000004.pth.json"]
+    assert not folders[1].exists()
+    (rank0, _), (rank1, _) = done
+    assert rank0.calls == rank1.calls and "all_gather" in rank0.calls and "barrier" in rank0.calls
+    saved = torch.load(folders[0] / f"{PREFIX}_resume_step0000004.pth", weights_only=True)
+    assert len(saved["rng"]) == 2  # every rank's generators
+
+
+def test_rank_1_resumes_from_rank_0s_pick_without_opening_its_folder(tmp_path, monkeypatch):
+    node0 = tmp_path / "node0"
+    for step in (2, 4, 6):
+        ThreadJob(2).run(lambda rank: manager(node0 if rank.rank == 0 else tmp_path / "node1", rank,
+                                              state=TrainState(plan(2), step, 100 * step)).save(step))
+    looked = []
+    real = checkpoint.list_checkpoints
+    monkeypatch.setattr(checkpoint, "list_checkpoints",
+                        lambda *a: looked.append(threading.current_thread().name) or real(*a))
+    models, states = [FakeModel(), FakeModel()], [TrainState(plan(2)), TrainState(plan(2))]
+    done = ThreadJob(2).run(lambda rank: manager(node0 if rank.rank == 0 else tmp_path / "absent", rank,
+                                                 model=models[rank.rank], state=states[rank.rank]).resume())
+    (rank0, on_rank0), (rank1, on_rank1) = done
+    assert looked and set(looked) == {"rank0"}
+    assert not (tmp_path / "absent").exists()
+    assert on_rank0 == on_rank1 and on_rank0["global_step"] == 6 and on_rank0["path"].startswith(str(node0))
+    assert [s.global_step for s in states] == [6, 6]
+    assert "model" in models[0].loaded and "model" not in models[1].loaded  # the weights reach rank 1 by broadcast
+    assert rank0.calls == rank1.calls
+
+
+def test_rank_0s_refusal_stops_every_rank_with_its_message(tmp_path):
+    save_at(tmp_path, 2)
+    wider = dict(CONFIG, hidden_size=128)
+    done = ThreadJob(2).run(lambda rank: manager(tmp_path if rank.rank == 0 else tmp_path / "elsewhere", rank,
+                                                 config=wider).latest())
+    messages = [str(result) for _, result in done]
+    assert all(isinstance(result, UserError) for _, result in done)
+    assert messages[0] == messages[1] and "hidden_size=64, but the flags give hidden_size=128" in messages[0]
