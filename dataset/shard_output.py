@@ -127,7 +127,8 @@ class ShardDirectory:
             take = int(doc_lens[:take_docs].sum())
             tokens[:take].tofile(self.file)
             if take:
-                self.max_token_ids[part["path"]] = max(self.max_token_ids.get(part["path"], -1), int(tokens[:take].max()))
+                largest = self.max_token_ids.get(part["path"], -1)
+                self.max_token_ids[part["path"]] = max(largest, int(tokens[:take].max()))
             part["num_tokens"] += take
             part["num_docs"] += take_docs
             tokens, doc_lens = tokens[take:], doc_lens[take_docs:]

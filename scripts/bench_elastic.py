@@ -9,6 +9,7 @@ its worker's "lost a peer process" line, its agent seeing the failure, the new
 rendezvous done, the new worker's first step after the resume.
 """
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -16,8 +17,12 @@ from tempfile import TemporaryDirectory
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.fault_helpers import ElasticAgent, agreed_port, wait_until  # noqa: E402
-from tests.launch_utils import TINY, out_args  # noqa: E402
+from scripts.elastic_agents import ElasticAgent, agreed_port, wait_until  # noqa: E402
+
+# The tiny model of the tests, on CPU: recovery time is start-up and rendezvous, not training.
+TINY = ["--hidden_size", "64", "--num_hidden_layers", "2", "--max_seq_len", "64", "--batch_size", "4",
+        "--num_workers", "0", "--log_interval", "1", "--val_fraction", "0", "--dist_timeout", "60",
+        "--device", "cpu", "--dtype", "float32"]
 
 CONFIGS = {
     "torchrun defaults": "",
@@ -29,11 +34,12 @@ PHASES = [("peer lost line", r"error: lost a peer process"), ("agent sees failur
 
 def measure(port: int, conf: str, steps: int, work: Path) -> dict:
     args = [*TINY, "--max_steps", str(steps), "--save_interval", "10", "--global_batch_size", "8",
-            "--from_resume", "1", *out_args(work)]
-    env = {"LOGLEVEL": "INFO"}  # the agent's rendezvous log lines mark the phases
-    survivor = ElasticAgent(port, args, work, conf, env=env)
+            "--from_resume", "1", "--save_dir", str(work / "out"), "--checkpoint_dir", str(work / "ckpt")]
+    # One thread per process; the agent's rendezvous log lines (LOGLEVEL INFO) mark the phases.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "", "LOGLEVEL": "INFO"}
+    survivor = ElasticAgent(port, args, work, env, conf)
     wait_until(lambda: survivor.first_line_after(r"Rendezvous complete", 0), 120, "first rendezvous", [survivor])
-    doomed = ElasticAgent(port, args, work, conf, env=env)
+    doomed = ElasticAgent(port, args, work, env, conf)
     agents = [survivor, doomed]
     wait_until(lambda: "world_size=2" in survivor.output, 180, "group of 2", agents)
     wait_until(lambda: any((work / "ckpt").glob("*_step*.pth")), 180, "checkpoint", agents)

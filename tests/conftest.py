@@ -1,10 +1,12 @@
 """Fixtures shared by the test modules, and the order the files run in. Shared plain
-functions (launching the trainer, tiny models) live in tests/launch_utils.py, which the
-modules import; no test module imports another."""
+functions live in modules the tests import: jobs.py (running the trainer, the one way),
+forked_ranks.py, tiny.py (tiny runs and models), run_outputs.py, assertions.py,
+host_reads.py and fault_injection.py; no test module imports another."""
 import pytest
 
-from tests.fault_helpers import SharedRuns
-from tests.launch_utils import REPO_ROOT, build_tokenizer, ensure_demo_corpus
+from scripts.launching import REPO_ROOT
+from tests.jobs import SharedRuns
+from tests.tiny import build_tokenizer, ensure_demo_corpus
 
 
 # The files that take longest, longest first: 128, 96, 90, 60, 60, 51, 37, 30, 30, 27 and 25 s
@@ -24,7 +26,7 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(scope="session", autouse=True)
 def demo_corpus():
     """The trainer's default corpus, built before the first test of every pytest-xdist worker
-    (under launch_utils' lock, so once). A launched or forked rank that found it missing would
+    (under tests/tiny.py's lock, so once). A launched or forked rank that found it missing would
     build it inside its job, and on a loaded machine that outlasts the tiny runs'
     --dist_timeout of 60 s: rank 1's barrier then fails the job."""
     return ensure_demo_corpus()
@@ -51,5 +53,5 @@ def tiny_tokenizer_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def shared_runs(tmp_path_factory):
-    """Call it with {name: (nproc, args)}: fault_helpers.SharedRuns."""
+    """Call it with {name: (nproc, args)}: tests/jobs.py's SharedRuns."""
     return SharedRuns(tmp_path_factory)

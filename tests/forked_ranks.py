@@ -30,12 +30,10 @@ import multiprocessing
 import os
 import runpy
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing import forkserver, process
 from pathlib import Path
@@ -43,7 +41,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tests.launch_utils import REPO_ROOT, TRAIN, kill_tree, run_env
+from scripts.launching import REPO_ROOT, kill_tree
+from tests.jobs import run_env
 
 _CONTEXT = multiprocessing.get_context("forkserver")
 _PRELOAD = "trainer.train_pretrain"
@@ -51,33 +50,26 @@ _CONTEXT.set_forkserver_preload([_PRELOAD, "tests.forked_ranks"])
 GRACE_S = 30  # torchrun's wait between SIGTERM and SIGKILL for the ranks left
 
 
-@dataclass
-class Forked:
-    """A job for fault_helpers.run_all: `nproc` ranks of `python SCRIPT ARGV`."""
-    nproc: int
-    script: Path
-    argv: list
-
-
 class ForkedJob:
-    """One running job; polled like a subprocess.Popen (poll, returncode). The ranks
-    write, merged, to {run_dir}.log, as torchrun's workers share its stdout."""
+    """One running job of tests/jobs.py's protocol (poll, wait, kill, output): `spec.nproc`
+    ranks of `python SCRIPT FLAGS`. The ranks write, merged, to {run_dir}.log, as torchrun's
+    workers share its stdout."""
 
-    def __init__(self, job: Forked, run_dir, env=None):
-        run_dir = Path(run_dir)
+    def __init__(self, spec):
+        run_dir = Path(spec.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = Path(f"{run_dir}.log")
         self.log_path.write_text("")
         self.returncode, self.failed_at = None, None
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=60)) if job.nproc > 1 else None
-        base = run_env(run_dir, env)
-        argv = [str(a) for a in job.argv]
+                                   timeout=timedelta(seconds=60)) if spec.nproc > 1 else None
+        base = run_env(run_dir, spec.env)
+        argv = [str(a) for a in spec.flags]
         _start_server()
         self.ranks = []
-        for rank in range(job.nproc):
-            rank_env = dict(base, **_launcher_env(rank, job.nproc, self.store.port)) if job.nproc > 1 else base
-            where = (str(job.script), argv, str(run_dir), rank_env, str(self.log_path))
+        for rank in range(spec.nproc):
+            rank_env = dict(base, **_launcher_env(rank, spec.nproc, self.store.port)) if spec.nproc > 1 else base
+            where = (str(spec.script), argv, str(run_dir), rank_env, str(self.log_path))
             self.ranks.append(_CONTEXT.Process(target=_run_rank, name=f"rank{rank}", args=where))
         try:
             for each in self.ranks:
@@ -99,7 +91,7 @@ class ForkedJob:
             self.store = None
         return self.returncode
 
-    def finish(self, timeout: float) -> int | None:
+    def wait(self, timeout: float) -> int | None:
         """Wait for the job's code; past `timeout` s kill every rank and return None."""
         deadline = time.monotonic() + timeout
         while self.poll() is None:
@@ -184,19 +176,3 @@ def _run_rank(script: str, argv: list, run_dir: str, env: dict, log_path: str):
     except BaseException:
         traceback.print_exc()  # as Python prints it, not under multiprocessing's "Process rank0:"
         sys.exit(1)
-
-
-def train_forked(nproc: int, args, run_dir, env=None, timeout: float = 240, script=TRAIN):
-    """run_training's forked twin: `torchrun --nproc_per_node=nproc SCRIPT ARGS` (plain
-    `python` for one process) run in run_dir; returns a CompletedProcess with the merged
-    output. Past `timeout`, or if the caller is interrupted, every rank is killed
-    (TimeoutExpired raised for the timeout)."""
-    job = ForkedJob(Forked(nproc, Path(script), list(args)), run_dir, env)
-    try:
-        code = job.finish(timeout)
-    except BaseException:
-        job.kill()
-        raise
-    if code is None:
-        raise subprocess.TimeoutExpired(["forked", str(script)], timeout, job.output())
-    return subprocess.CompletedProcess(["forked", str(script), *map(str, args)], code, job.output())

@@ -14,8 +14,10 @@ import os
 import numpy as np
 import pytest
 
-from tests.fault_helpers import error_lines, job, outputs_digest, run_all, worker_tracebacks
-from tests.launch_utils import TINY, out_args, train_in_process
+from tests.assertions import error_lines, outputs_digest, worker_tracebacks
+from tests.jobs import JobSpec, run_all, run_trainer
+from tests.run_outputs import checkpoint_name, out_args
+from tests.tiny import TINY
 
 DATA = {
     # name: (file bytes or None for a missing file, expected message fragment)
@@ -55,9 +57,9 @@ def plant_checkpoints(run_dir):
     ckpt, out = run_dir / "ckpt", run_dir / "out"
     ckpt.mkdir(parents=True)
     out.mkdir()
-    (ckpt / "pretrain_64_resume_step0000004.pth").write_bytes(os.urandom(4096))
-    (ckpt / "pretrain_64_resume_step0000004.pth.json").write_text('{"global_step": 4}')
-    os.symlink("pretrain_64_resume_step0000004.pth", ckpt / "pretrain_64_resume.pth")
+    (ckpt / checkpoint_name(4)).write_bytes(os.urandom(4096))
+    (ckpt / f"{checkpoint_name(4)}.json").write_text('{"global_step": 4}')
+    os.symlink(checkpoint_name(4), ckpt / "pretrain_64_resume.pth")
     (out / "pretrain_64.pth").write_bytes(os.urandom(1024))
 
 
@@ -93,7 +95,7 @@ def failed(tmp_path_factory):
     for case in [*DATA, *FLAGS]:
         flags, run, message = prepare(root, case, 1)
         before = outputs_digest(run)
-        results[case] = (train_in_process(flags, run), message, run, before)
+        results[case] = (run_trainer(flags, run), message, run, before)
     return results
 
 
@@ -103,7 +105,7 @@ def launched(tmp_path_factory):
     jobs, cases = {}, {}
     for case, nproc in LAUNCHED.items():
         flags, run, message = prepare(root, case, nproc)
-        jobs[case] = job(nproc, flags, run)
+        jobs[case] = JobSpec(flags, run, nproc=nproc, mode=("python" if nproc == 1 else "torchrun"))
         cases[case] = (message, run, outputs_digest(run))
     results = run_all(jobs, timeout=120)
     return {case: (results[case], *cases[case]) for case in jobs}

@@ -1,18 +1,18 @@
 """Training under bf16 autocast on a CPU, end to end in the trainer: what --dtype auto picks
 where the CPU has amx_bf16 or avx512_bf16 (tests/test_optim.py tests that choice). Every
-other trainer test pins --dtype float32 (tests/launch_utils.py's TINY says why), so these
+other trainer test pins --dtype float32 (tests/tiny.py's TINY says why), so these
 runs are the suite's bf16 training. A CPU without native bf16 runs them too, emulating bf16
 (slower).
 
-In-process runs (tests/launch_utils.run_in_process) on the first documents of the demo corpus.
+In-process runs (tests/jobs.py's run_trainer) on the first documents of the demo corpus.
 """
 import pytest
 
 from tests.fault_injection import fault_env
-from tests.launch_utils import (
-    TINY, assert_bitwise_equal, assert_same_state, latest_checkpoint, out_args, read_metrics, small_corpus,
-    train_in_process,
-)
+from tests.assertions import assert_bitwise_equal, assert_same_state
+from tests.jobs import run_trainer
+from tests.run_outputs import latest_checkpoint, out_args, read_metrics
+from tests.tiny import TINY, small_corpus
 
 STEPS, SAVE = 30, 15
 
@@ -32,9 +32,9 @@ def runs(tmp_path_factory):
     done = {}
     for name, dtype, env in [("bf16", "bfloat16", None), ("fp32", "float32", None),
                              ("interrupted", "bfloat16", fault_env("raise", at=SAVE + 2, rank=0))]:
-        done[name] = (work / name, train_in_process(args_for(work / name, corpus, dtype), work / name, env=env))
+        done[name] = (work / name, run_trainer(args_for(work / name, corpus, dtype), work / name, env=env))
     run_dir = work / "interrupted"
-    done["resumed"] = (run_dir, train_in_process(args_for(run_dir, corpus, "bfloat16", "--from_resume", "1"), run_dir))
+    done["resumed"] = (run_dir, run_trainer(args_for(run_dir, corpus, "bfloat16", "--from_resume", "1"), run_dir))
     return done
 
 

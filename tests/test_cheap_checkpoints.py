@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.launch_utils import CountHostReads
+from tests.host_reads import CountHostReads
 from common.atomic import atomic_torch_save
 from trainer.parallel import weights_finite
 from trainer.save_schedule import SaveSchedule

@@ -16,8 +16,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from common.atomic import atomic_torch_save
 from common.errors import UserError
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from tests.fault_helpers import tree_digest
-from tests.launch_utils import FLAGS
+from tests.assertions import tree_digest
+from tests.tiny import FLAGS
 from trainer import checkpoint
 from trainer.checkpoint import FORMAT, CheckpointManager, list_checkpoints, step_path
 from trainer.stateful import ModelState, RNGState, ScalerState

@@ -9,20 +9,21 @@ from pathlib import Path
 
 import pytest
 
-from tests.fault_helpers import error_lines, outputs_digest
-from tests.launch_utils import TINY, out_args, train_in_process
+from tests.assertions import error_lines, outputs_digest
+from tests.jobs import run_trainer
+from tests.run_outputs import checkpoint_name, checkpoint_path, out_args
+from tests.tiny import TINY
 from trainer.checkpoint import verify_checkpoint
 
 STEPS, SAVE = 8, 2  # saves at 2, 4, 6, 8; the default --keep_last 3 keeps 4, 6, 8
 BASE = [*TINY, "--save_interval", str(SAVE)]
 
 
-def name(step) -> str:
-    return f"pretrain_64_resume_step{step:07d}.pth"
+name = checkpoint_name
 
 
 def ckpt(run_dir, step) -> Path:
-    return Path(run_dir) / "ckpt" / name(step)
+    return checkpoint_path(run_dir, step)
 
 
 def truncate(path):
@@ -63,7 +64,7 @@ SCENARIOS = {
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     run = tmp_path_factory.mktemp("base")
-    result = train_in_process([*BASE, *out_args(run), "--max_steps", str(STEPS)], run)
+    result = run_trainer([*BASE, *out_args(run), "--max_steps", str(STEPS)], run)
     assert result.returncode == 0, result.stdout[-3000:]
     return run
 
@@ -78,7 +79,7 @@ def attempts(base, tmp_path_factory):
         damage(run)
         before[scenario] = outputs_digest(run)
         # BASE's TINY has --num_hidden_layers 2 / --hidden_size 64; a later flag wins in argparse.
-        results[scenario] = train_in_process([*BASE, *out_args(run), "--from_resume", "1", *extra], run)
+        results[scenario] = run_trainer([*BASE, *out_args(run), "--from_resume", "1", *extra], run)
     return {s: (results[s], root / s, before[s]) for s in SCENARIOS}
 
 

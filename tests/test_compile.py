@@ -6,30 +6,32 @@ import pytest
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from model.model_minimind import MiniMindForCausalLM
-from tests.fault_helpers import THREE_STEPS, assert_clean_exit, job, run_all
-from tests.launch_utils import latest_checkpoint, load_checkpoint, max_abs_diff, out_args
+from tests.assertions import assert_clean_exit, max_abs_diff
+from tests.jobs import JobSpec, run_all
+from tests.run_outputs import checkpoint_name, latest_checkpoint, load_checkpoint, out_args
+from tests.tiny import THREE_STEPS
 from trainer.args import parse_args
 from trainer.trainer_utils import model_config_from_args, setup_seed
 
 STEPS = 3
-BASE = THREE_STEPS  # lr 5e-4 and a long --dist_timeout: see fault_helpers
+BASE = THREE_STEPS  # lr 5e-4 and a long --dist_timeout: see tests/tiny.py
 
 
 @pytest.mark.slow
 def test_compiled_ddp_and_fsdp_match_eager_ddp(tmp_path, shared_runs):
     eager_dir, eager_run = shared_runs({"eager_ddp": (2, BASE)})["eager_ddp"]
     jobs = {
-        "ddp": job(2, [*BASE, *out_args(tmp_path / "ddp"), "--use_compile", "1"], tmp_path / "ddp",
-                   launcher="forked"),
-        "fsdp": job(2, [*BASE, *out_args(tmp_path / "fsdp"), "--use_compile", "1", "--parallel", "fsdp"],
-                    tmp_path / "fsdp", launcher="forked"),
+        "ddp": JobSpec([*BASE, *out_args(tmp_path / "ddp"), "--use_compile", "1"], tmp_path / "ddp", nproc=2,
+                       mode="forked"),
+        "fsdp": JobSpec([*BASE, *out_args(tmp_path / "fsdp"), "--use_compile", "1", "--parallel", "fsdp"],
+                        tmp_path / "fsdp", nproc=2, mode="forked"),
     }
     done = {"eager": eager_run, **run_all(jobs, timeout=600)}
     for name, result in done.items():
         assert_clean_exit(result.returncode, result.stdout, name)
     eager = latest_checkpoint(eager_dir)["model"]
     compiled_ddp = latest_checkpoint(tmp_path / "ddp")["model"]
-    dcp_to_torch_save(tmp_path / "fsdp" / "ckpt" / f"pretrain_64_resume_step{STEPS:07d}.dcp", tmp_path / "fsdp.pt")
+    dcp_to_torch_save(tmp_path / "fsdp" / "ckpt" / checkpoint_name(STEPS, sharded=True), tmp_path / "fsdp.pt")
     compiled_fsdp = load_checkpoint(tmp_path / "fsdp.pt")["model"]
 
     assert max_abs_diff(compiled_ddp, eager) <= 1e-5

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from tests.fault_helpers import assert_clean_exit, run_all
-from tests.forked_ranks import Forked
-from tests.launch_utils import REPO_ROOT, max_abs_diff
+from tests.assertions import assert_clean_exit, max_abs_diff
+from scripts.launching import REPO_ROOT
+from tests.jobs import JobSpec, run_all
 
 WORKER = REPO_ROOT / "tests" / "ddp_step_worker.py"
 # name: (processes, batch per process, accumulation steps)
@@ -16,7 +16,7 @@ def steps(tmp_path_factory):
     """One optimizer step of each kind, two jobs at a time, each rank a process forked from
     the preloaded trainer (tests/forked_ranks.py): {name: {"weights", "loss"}}."""
     root = tmp_path_factory.mktemp("steps")
-    jobs = {name: (Forked(nproc, WORKER, [str(root / f"{name}.pt"), str(batch), str(accum)]), root / name, None)
+    jobs = {name: JobSpec([root / f"{name}.pt", batch, accum], root / name, nproc, "forked", script=WORKER)
             for name, (nproc, batch, accum) in STEPS.items()}
     for name, result in run_all(jobs, timeout=120).items():
         assert_clean_exit(result.returncode, result.stdout, name)

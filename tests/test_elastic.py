@@ -8,12 +8,15 @@ import re
 import signal
 import socket
 import time
-from pathlib import Path
+
 
 import pytest
 
-from tests.fault_helpers import ElasticAgent, agreed_port, assert_clean_exit, wait_until, worker_tracebacks
-from tests.launch_utils import TINY, latest_checkpoint, max_abs_diff, out_args, start_training
+from scripts.elastic_agents import ElasticAgent, agreed_port, wait_until
+from tests.assertions import assert_clean_exit, max_abs_diff, worker_tracebacks
+from tests.jobs import JobSpec, run_env, start_trainer
+from tests.run_outputs import checkpoint_name, checkpoint_steps, latest_checkpoint, out_args
+from tests.tiny import TINY
 
 STEPS, SAVE = 100, 10
 # lr 2e-4: Adam's early updates are ~lr * sign(g), so the float noise of another world
@@ -32,20 +35,19 @@ def reference(tmp_path_factory):
     while the elastic agents below wait out their rendezvous; reference() waits for it
     and returns its final checkpoint."""
     run = tmp_path_factory.mktemp("reference")
-    proc = start_training(1, [*ARGS, *out_args(run)], run, launcher="python")
+    job = start_trainer(JobSpec([*ARGS, *out_args(run)], run, nproc=1, mode="python"))
     final = {}
 
     def wait():
         if not final:
-            output = proc.communicate(timeout=480)[0]
-            assert_clean_exit(proc.returncode, output, "reference")
-            assert "accumulation=2" in output
+            code = job.wait(timeout=480)
+            assert_clean_exit(code, job.output(), "reference")
+            assert "accumulation=2" in job.output()
             final.update(latest_checkpoint(run))
         return final
     yield wait
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    if job.poll() is None:
+        job.kill()
 
 
 @pytest.fixture
@@ -57,7 +59,7 @@ def port():
 
 def start_first_agent(run, port) -> ElasticAgent:
     """The agent that hosts the rendezvous store (the first to bind the endpoint does)."""
-    agent = ElasticAgent(port, [*ARGS, *out_args(run)], run, RDZV_CONF)
+    agent = ElasticAgent(port, [*ARGS, *out_args(run)], run, run_env(run), RDZV_CONF)
 
     def listening():
         with socket.socket() as s:
@@ -67,8 +69,7 @@ def start_first_agent(run, port) -> ElasticAgent:
 
 
 def checkpoints(run) -> set[str]:
-    folder = Path(run) / "ckpt"
-    return {n for n in os.listdir(folder) if re.fullmatch(r"pretrain_64_resume_step\d+\.pth", n)} if folder.exists() else set()
+    return {checkpoint_name(step) for step in checkpoint_steps(run)}
 
 
 def resumed_at(output) -> list[int]:
@@ -78,7 +79,7 @@ def resumed_at(output) -> list[int]:
 @pytest.mark.slow
 def test_losing_a_node_the_survivor_resumes_alone_and_matches(tmp_path, reference, port):
     survivor = start_first_agent(tmp_path, port)
-    doomed = ElasticAgent(port, [*ARGS, *out_args(tmp_path)], tmp_path, RDZV_CONF)
+    doomed = ElasticAgent(port, [*ARGS, *out_args(tmp_path)], tmp_path, run_env(tmp_path), RDZV_CONF)
     agents = [survivor, doomed]
     wait_until(lambda: "world_size=2" in survivor.output, 120, "group of 2", agents)
     before = checkpoints(tmp_path)
@@ -118,7 +119,7 @@ def test_a_node_that_joins_later_is_taken_in_at_the_next_restart(tmp_path, refer
     # new node is in; its agent stays awake and sees the newcomer.
     worker = first.worker_pids()[0]
     os.kill(worker, signal.SIGSTOP)
-    late = ElasticAgent(port, [*ARGS, *out_args(tmp_path)], tmp_path, RDZV_CONF)
+    late = ElasticAgent(port, [*ARGS, *out_args(tmp_path)], tmp_path, run_env(tmp_path), RDZV_CONF)
     wait_until(lambda: "closing signal SIGTERM" in first.output, 120, "restart for the new node", [first, late])
     os.kill(worker, signal.SIGCONT)
 

@@ -15,20 +15,20 @@ import os
 import re
 import signal
 import subprocess
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.fault_helpers import assert_clean_exit, job, run_all, worker_tracebacks
+from tests.assertions import assert_bitwise_equal, assert_clean_exit, assert_same_state, worker_tracebacks
+from scripts.launching import PYTHON, TRAIN, children
+from tests.jobs import JobSpec, ProcessJob, run_all, run_trainer
 from tests.fault_injection import fault_env
-from tests.forked_ranks import train_forked
-from tests.launch_utils import (
-    PYTHON, TINY, TRAIN, assert_bitwise_equal, assert_same_state, children, latest_checkpoint, load_checkpoint,
-    out_args, run_env, train_cmd,
+from tests.run_outputs import (
+    checkpoint_name, checkpoint_path, checkpoint_steps, latest_checkpoint, load_checkpoint, out_args,
 )
+from tests.tiny import TINY
 from trainer.checkpoint import verify_checkpoint
 
 pytestmark = pytest.mark.slow  # every test here launches processes
@@ -41,13 +41,11 @@ def fault(kind, at=K, rank=1) -> dict:
     return fault_env(kind, at, rank)
 
 
-def ckpt_steps(run_dir) -> list[int]:
-    names = os.listdir(Path(run_dir) / "ckpt")
-    return sorted(int(m.group(1)) for n in names if (m := re.fullmatch(r"pretrain_64_resume_step(\d+)\.pth", n)))
+ckpt_steps = checkpoint_steps
 
 
 def ckpt_at(run_dir, step) -> dict:
-    return load_checkpoint(Path(run_dir) / "ckpt" / f"pretrain_64_resume_step{step:07d}.pth")
+    return load_checkpoint(checkpoint_path(run_dir, step))
 
 
 def all_finite(state: dict) -> bool:
@@ -67,19 +65,22 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("fault")
     # Forked ranks (tests/forked_ranks.py), except where torchrun's restart is the subject.
     jobs = {
-        "uninterrupted": job(2, [*BASE, *out_args(root / "uninterrupted")], root / "uninterrupted", launcher="forked"),
-        "killed": job(2, [*BASE, *out_args(root / "killed")], root / "killed", env=fault("kill"), launcher="forked"),
+        "uninterrupted": JobSpec([*BASE, *out_args(root / "uninterrupted")], root / "uninterrupted", nproc=2,
+                                 mode="forked"),
+        "killed": JobSpec([*BASE, *out_args(root / "killed")], root / "killed", nproc=2, mode="forked",
+                          env=fault("kill")),
         # With a DataLoader worker per rank: the restart must take them down with their ranks.
-        "restarted": job(2, [*BASE, *out_args(root / "restarted"), "--from_resume", "1", "--num_workers", "1"],
-                         root / "restarted", env=fault("kill"), launcher_args=["--max-restarts=3"]),
-        "nan": job(2, [*TINY, *out_args(root / "nan"), "--max_steps", str(NAN_K + 2), "--save_interval", "1"],
-                   root / "nan", env=fault("nan", at=NAN_K), launcher="forked"),
-        "nan_forever": job(2, [*TINY, *out_args(root / "nan_forever"), "--max_steps", "50", "--save_interval", "2",
-                               "--max_bad_steps", str(BAD)], root / "nan_forever", env=fault("nan_forever", at=NAN_K),
-                           launcher="forked"),
+        "restarted": JobSpec([*BASE, *out_args(root / "restarted"), "--from_resume", "1", "--num_workers", "1"],
+                             root / "restarted", nproc=2, mode="torchrun", env=fault("kill"),
+                             launcher_args=("--max-restarts=3",)),
+        "nan": JobSpec([*TINY, *out_args(root / "nan"), "--max_steps", str(NAN_K + 2), "--save_interval", "1"],
+                       root / "nan", nproc=2, mode="forked", env=fault("nan", at=NAN_K)),
+        "nan_forever": JobSpec([*TINY, *out_args(root / "nan_forever"), "--max_steps", "50", "--save_interval", "2",
+                                "--max_bad_steps", str(BAD)], root / "nan_forever", nproc=2, mode="forked",
+                               env=fault("nan_forever", at=NAN_K)),
     }
     results = run_all(jobs, timeout=240)
-    return {name: (results[name], jobs[name][1]) for name in jobs}
+    return {name: (results[name], jobs[name].run_dir) for name in jobs}
 
 
 @pytest.fixture(scope="module")
@@ -98,9 +99,9 @@ def test_killed_rank_then_resume_is_bitwise_identical(runs, uninterrupted):
     assert f"[fault injection] rank 1 SIGKILLs itself at step {K}" in killed.stdout
     assert ckpt_steps(run) == [SAVE], "only the save before the kill exists"
 
-    resumed = train_forked(2, [*BASE, *out_args(run), "--from_resume", "1"], run, timeout=180)
+    resumed = run_trainer([*BASE, *out_args(run), "--from_resume", "1"], run, nproc=2, mode="forked", timeout=180)
     assert_clean_exit(resumed.returncode, resumed.stdout, "resumed")
-    assert f"pretrain_64_resume_step{SAVE:07d}.pth at step {SAVE}/{N}" in resumed.stdout
+    assert f"{checkpoint_name(SAVE)} at step {SAVE}/{N}" in resumed.stdout
     assert train_lines(resumed.stdout)[0] == SAVE + 1
     final = latest_checkpoint(run)
     assert final["global_step"] == N and final["tokens_seen"] == uninterrupted["tokens_seen"]
@@ -113,7 +114,7 @@ def test_torchrun_max_restarts_recovers_bitwise_identical(runs, uninterrupted):
     result, run = runs["restarted"]
     assert_clean_exit(result.returncode, result.stdout, "restarted job")
     assert f"[fault injection] rank 1 SIGKILLs itself at step {K}" in result.stdout
-    assert f"pretrain_64_resume_step{SAVE:07d}.pth at step {SAVE}/{N}" in result.stdout  # the restarted group
+    assert f"{checkpoint_name(SAVE)} at step {SAVE}/{N}" in result.stdout  # the restarted group
     final = latest_checkpoint(run)
     assert final["global_step"] == N
     assert_bitwise_equal(final["model"], uninterrupted["model"])
@@ -124,37 +125,34 @@ def test_torchrun_max_restarts_recovers_bitwise_identical(runs, uninterrupted):
 PREEMPT_SAVE = 20
 
 
-def _start(cmd, run_dir, new_session=False, env=None):
-    return subprocess.Popen(cmd, cwd=run_dir, env=run_env(run_dir, env), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=new_session)
+def _start(flags, run_dir, nproc=2, new_session=False, env=None) -> ProcessJob:
+    """A launched job (torchrun for 2 processes, plain python for 1): its Popen takes the signals."""
+    return ProcessJob(JobSpec(flags, run_dir, nproc, "torchrun" if nproc > 1 else "python", env), new_session)
 
 
-def _wait_for_step(proc, run_dir, step, timeout=120) -> int:
+def _wait_for_step(job, run_dir, step, timeout=120) -> int:
     """Poll the metrics file until it logs `step` or later; return the last logged step."""
     metrics = Path(run_dir) / "out" / "pretrain_64_metrics.jsonl"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"the run ended early (rc {proc.returncode}):\n{proc.communicate()[0][-3000:]}")
+        if job.poll() is not None:
+            pytest.fail(f"the run ended early (rc {job.returncode}):\n{job.output()[-3000:]}")
         if metrics.exists():
             rows = [line for line in metrics.read_text().splitlines() if line.strip().endswith("}")]
             if rows and int(re.search(r'"step": (\d+)', rows[-1]).group(1)) >= step:
                 return int(re.search(r'"step": (\d+)', rows[-1]).group(1))
         time.sleep(0.1)
-    proc.kill()
+    job.kill()
     pytest.fail(f"no progress to step {step} within {timeout}s")
 
 
-def _signal_and_wait(proc, send, timeout=30):
+def _signal_and_wait(job, send, timeout=30):
     """Deliver the signal, return (rc, output, seconds to exit)."""
     start = time.monotonic()
     send()
-    try:
-        output = proc.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail(f"no exit within {timeout}s of the signal:\n{proc.communicate()[0][-3000:]}")
-    return proc.returncode, output, time.monotonic() - start
+    if job.wait(timeout) is None:
+        pytest.fail(f"no exit within {timeout}s of the signal:\n{job.output()[-3000:]}")
+    return job.returncode, job.output(), time.monotonic() - start
 
 
 def _saved_step(output) -> int:
@@ -168,9 +166,9 @@ def preempted(tmp_path_factory):
     """The 2-process job, SIGTERMed (torchrun's pid only, as a scheduler does) mid-run."""
     run = tmp_path_factory.mktemp("preempted")
     args = [*TINY, *out_args(run), "--max_steps", "100000", "--save_interval", str(PREEMPT_SAVE)]
-    proc = _start(train_cmd(2, args), run)
-    seen = _wait_for_step(proc, run, PREEMPT_SAVE + 3)
-    rc, output, seconds = _signal_and_wait(proc, lambda: proc.send_signal(signal.SIGTERM))
+    job = _start(args, run)
+    seen = _wait_for_step(job, run, PREEMPT_SAVE + 3)
+    rc, output, seconds = _signal_and_wait(job, lambda: job.proc.send_signal(signal.SIGTERM))
     return dict(run=run, args=args, seen=seen, rc=rc, output=output, seconds=seconds)
 
 
@@ -183,7 +181,7 @@ def test_sigterm_saves_the_current_step_and_exits_promptly(preempted):
     assert saved >= seen > PREEMPT_SAVE
     steps = ckpt_steps(preempted["run"])
     assert steps[-1] == saved and all(s % PREEMPT_SAVE == 0 for s in steps[:-1])
-    ckpt, name = preempted["run"] / "ckpt", f"pretrain_64_resume_step{saved:07d}.pth"
+    ckpt, name = preempted["run"] / "ckpt", checkpoint_name(saved)
     assert os.readlink(ckpt / "pretrain_64_resume.pth") == name
     assert verify_checkpoint(str(ckpt / name))["global_step"] == saved
     assert output.count("preempted: saved step") == 1  # rank 0 only
@@ -193,7 +191,7 @@ def test_resume_after_sigterm_continues_after_the_saved_step(preempted):
     saved = _saved_step(preempted["output"])
     run = preempted["run"]
     args = [a if a != "100000" else str(saved + 2) for a in preempted["args"]]
-    resumed = train_forked(2, [*args, "--from_resume", "1"], run, timeout=180)
+    resumed = run_trainer([*args, "--from_resume", "1"], run, nproc=2, mode="forked", timeout=180)
     assert_clean_exit(resumed.returncode, resumed.stdout, "resumed")
     assert f"at step {saved}/{saved + 2}" in resumed.stdout
     assert train_lines(resumed.stdout) == [saved + 1, saved + 2]
@@ -210,17 +208,16 @@ def single_process_signalled(tmp_path_factory):
             run = tmp_path_factory.mktemp(signame)
             # No periodic save: whichever run waits longer must still hold the signal's save only.
             args = [*TINY, *out_args(run), "--max_steps", "100000", "--save_interval", "100000"]
-            started[signame] = run, _start([PYTHON, str(TRAIN), *args], run)
+            started[signame] = run, _start(args, run, nproc=1)
         results = {}
-        for signame, (run, proc) in started.items():
-            _wait_for_step(proc, run, 3)
-            results[signame] = (run, *_signal_and_wait(proc, lambda: proc.send_signal(getattr(signal, signame))))
+        for signame, (run, job) in started.items():
+            _wait_for_step(job, run, 3)
+            results[signame] = (run, *_signal_and_wait(job, lambda: job.proc.send_signal(getattr(signal, signame))))
         return results
     finally:
-        for _, proc in started.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        for _, job in started.values():
+            if job.poll() is None:
+                job.kill()
 
 
 @pytest.mark.parametrize("signame, code", [("SIGTERM", 143), ("SIGINT", 130)])
@@ -238,13 +235,13 @@ def test_ctrl_c_to_the_whole_torchrun_process_group_saves(tmp_path):
     torchrun then forwards its own SIGINT: that echo must not kill the workers before
     they save. The echo is repeated 50 ms later, as a loaded machine delivers it."""
     args = [*TINY, *out_args(tmp_path), "--max_steps", "100000", "--save_interval", "1000"]
-    proc = _start(train_cmd(2, args), tmp_path, new_session=True)
-    seen = _wait_for_step(proc, tmp_path, 3)
-    workers = children(proc.pid)
+    job = _start(args, tmp_path, new_session=True)
+    seen = _wait_for_step(job, tmp_path, 3)
+    workers = children(job.proc.pid)
     assert len(workers) == 2
 
     def ctrl_c_then_echo():
-        os.killpg(proc.pid, signal.SIGINT)
+        os.killpg(job.proc.pid, signal.SIGINT)
         time.sleep(0.05)
         for pid in workers:
             try:
@@ -252,7 +249,7 @@ def test_ctrl_c_to_the_whole_torchrun_process_group_saves(tmp_path):
             except ProcessLookupError:
                 pass
 
-    rc, output, seconds = _signal_and_wait(proc, ctrl_c_then_echo)
+    rc, output, seconds = _signal_and_wait(job, ctrl_c_then_echo)
     assert rc != 0 and seconds < 15, output[-3000:]
     saved = _saved_step(output)
     assert saved >= seen and ckpt_steps(tmp_path) == [saved]
@@ -310,9 +307,9 @@ def test_nan_forever_aborts_after_max_bad_steps_and_keeps_good_checkpoints(runs)
     # Saves at 2 (good) and 4 (after one skipped update: still finite); none at 6, where it aborted.
     assert ckpt_steps(run) == [2, 4]
     for step in (2, 4):
-        state = verify_checkpoint(str(run / "ckpt" / f"pretrain_64_resume_step{step:07d}.pth"))
+        state = verify_checkpoint(str(run / "ckpt" / checkpoint_name(step)))
         assert all_finite(state["model"])
-    assert os.readlink(run / "ckpt" / "pretrain_64_resume.pth") == "pretrain_64_resume_step0000004.pth"
+    assert os.readlink(run / "ckpt" / "pretrain_64_resume.pth") == checkpoint_name(4)
 
 
 # ---------------------------------------------------------------------------- 7. a rank raises
@@ -320,19 +317,17 @@ def test_a_rank_that_raises_ends_the_job_quickly_and_is_named(tmp_path):
     """Rank 1 raises before step 4 while rank 0 waits in that step's all-reduce: the job
     must end at once, not after --dist_timeout (30 s here)."""
     args = [*TINY, *out_args(tmp_path), "--max_steps", "50", "--save_interval", "1000", "--dist_timeout", "30"]
-    proc = _start(train_cmd(2, args), tmp_path, env=fault("raise", at=3))
-    watchdog = threading.Timer(120, proc.kill)
-    watchdog.start()
-    lines, step3_at = [], None
-    for line in proc.stdout:  # timestamp the last good step as it is printed
-        lines.append(line)
-        if step3_at is None and re.match(r"epoch \d+/\d+ step 3/", line):
+    job = _start(args, tmp_path, env=fault("raise", at=3))
+    deadline, step3_at = time.monotonic() + 120, None
+    while job.poll() is None and time.monotonic() < deadline:  # timestamp the last good step as it is logged
+        if step3_at is None and re.search(r"^epoch \d+/\d+ step 3/", job.output(), re.M):
             step3_at = time.monotonic()
-    proc.wait()
+        time.sleep(0.05)
+    if job.poll() is None:
+        job.kill()
     seconds = time.monotonic() - step3_at if step3_at else None
-    watchdog.cancel()
-    out = "".join(lines)
-    assert proc.returncode not in (0, -signal.SIGKILL), out[-3000:]
+    out = job.output()
+    assert job.returncode not in (0, -signal.SIGKILL, None), out[-3000:]
     assert seconds is not None and seconds < 10, f"{seconds}s from the fault to the exit:\n{out[-3000:]}"
     assert "RuntimeError: [fault injection] rank 1 raises at step 3" in out
     root_cause = out[out.index("Root Cause"):]

@@ -11,7 +11,10 @@ import sys
 import pytest
 import torch
 
-from tests.launch_utils import CountHostReads, out_args, run_in_process, small_corpus
+from tests.host_reads import CountHostReads
+from tests.jobs import run_in_process
+from tests.run_outputs import out_args
+from tests.tiny import small_corpus
 from trainer.args import parse_args
 from trainer.step import read_flags
 from trainer.train_pretrain import train

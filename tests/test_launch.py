@@ -8,11 +8,12 @@ import subprocess
 
 import pytest
 
-from tests.fault_helpers import agreed_port, assert_clean_exit, job, run_all
-from tests.launch_utils import (
-    PYTHON, REPO_ROOT, TINY, TORCHRUN, TRAIN, latest_checkpoint, load_checkpoint, out_args,
-    read_metrics, run_env, train_cmd,
-)
+from tests.assertions import assert_clean_exit
+from scripts.elastic_agents import agreed_port
+from scripts.launching import PYTHON, REPO_ROOT, TORCHRUN, TRAIN
+from tests.jobs import JobSpec, run_all, run_env
+from tests.run_outputs import checkpoint_name, latest_checkpoint, load_checkpoint, out_args, read_metrics
+from tests.tiny import TINY
 
 PREFIX = "pretrain_64"
 
@@ -21,7 +22,7 @@ def assert_one_set_of_files(run_dir, steps):
     """What one writer (rank 0) leaves after `steps` steps with a single final save: no
     second metrics stream, no leftover temp files, one checkpoint with its record."""
     assert sorted(os.listdir(run_dir / "out")) == [f"{PREFIX}.json", f"{PREFIX}.pth", f"{PREFIX}_metrics.jsonl"]
-    step_file = f"{PREFIX}_resume_step{steps:07d}.pth"
+    step_file = checkpoint_name(steps)
     assert sorted(os.listdir(run_dir / "ckpt")) == [f"{PREFIX}_resume.pth", step_file, f"{step_file}.json"]
     assert os.readlink(run_dir / "ckpt" / f"{PREFIX}_resume.pth") == step_file
     assert [row["step"] for row in read_metrics(run_dir)] == list(range(1, steps + 1))
@@ -33,10 +34,11 @@ def launched(tmp_path_factory):
     {name: (run_dir, Finished)}."""
     root = tmp_path_factory.mktemp("launch")
     legacy = [*TINY, *out_args(root / "legacy"), "--max_steps", "3"]
-    jobs = {"torchrun": job(2, [*TINY, *out_args(root / "torchrun"), "--max_steps", "30"], root / "torchrun"),
-            "legacy": (train_cmd(2, legacy, launcher="legacy"), root / "legacy", None)}
+    jobs = {"torchrun": JobSpec([*TINY, *out_args(root / "torchrun"), "--max_steps", "30"], root / "torchrun", 2,
+                                "torchrun"),
+            "legacy": JobSpec(legacy, root / "legacy", 2, "legacy")}
     done = run_all(jobs, timeout=240)
-    return {name: (jobs[name][1], done[name]) for name in jobs}
+    return {name: (jobs[name].run_dir, done[name]) for name in jobs}
 
 
 # ---------------------------------------------------------------------------- torchrun

@@ -1,22 +1,24 @@
-"""The import direction of the packages, read from the source: `scripts` may import
-anything; `trainer` imports `model`, `dataset` and `common`; `model` and `dataset` import
-only `common` (and themselves), which imports nothing of the repository. And no two
-modules import each other at load time, directly or through others."""
+"""The import direction of the packages, read from the source: `tests` may import anything;
+`scripts` the product packages but never `tests`; `trainer` imports `model`, `dataset` and
+`common`; `model` and `dataset` import only `common` (and themselves), which imports nothing
+of the repository. And no two modules import each other at load time, directly or through
+others."""
 import ast
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.launch_utils import REPO_ROOT
+from scripts.launching import REPO_ROOT
 
-PACKAGES = ("common", "model", "dataset", "trainer", "scripts")
+PACKAGES = ("common", "model", "dataset", "trainer", "scripts", "tests")
 MAY_IMPORT = {
     "common": {"common"},
     "model": {"common", "model"},
     "dataset": {"common", "dataset"},
     "trainer": {"common", "model", "dataset", "trainer"},
-    "scripts": set(PACKAGES),
+    "scripts": {"common", "model", "dataset", "trainer", "scripts"},
+    "tests": set(PACKAGES),
 }
 
 
@@ -73,15 +75,19 @@ def test_no_import_cycle_at_load_time():
 
 
 def test_the_check_sees_a_cycle_and_a_wrong_way_import(tmp_path, monkeypatch):
-    """The two checks above can fail: a planted cycle and a model -> trainer import are found."""
+    """The two checks above can fail: a planted cycle, a model -> trainer and a scripts -> tests
+    import are found."""
     for package, text in {"model": "from trainer import b\n", "trainer": "from .c import x\n"}.items():
         (tmp_path / package).mkdir()
         (tmp_path / package / ("a.py" if package == "model" else "b.py")).write_text(text)
     (tmp_path / "trainer" / "c.py").write_text("import model.a\n")
-    for package in ("common", "dataset", "scripts"):
-        (tmp_path / package).mkdir()
+    for package in ("common", "dataset", "scripts", "tests"):
+        (tmp_path / package).mkdir(exist_ok=True)
+    (tmp_path / "scripts" / "bench.py").write_text("from tests.jobs import run_trainer\n")
+    (tmp_path / "tests" / "jobs.py").write_text("")
     monkeypatch.setattr(sys.modules[__name__], "REPO_ROOT", tmp_path)
-    with pytest.raises(AssertionError, match="model.a imports trainer.b"):
+    with pytest.raises(AssertionError, match="model.a imports trainer.b") as wrong_way:
         test_every_package_imports_only_its_own_layer_and_below()
+    assert "scripts.bench imports tests.jobs" in str(wrong_way.value)
     with pytest.raises(AssertionError, match="import cycle"):
         test_no_import_cycle_at_load_time()

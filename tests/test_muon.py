@@ -1,21 +1,17 @@
 """trainer/muon.py: torch.optim.Muon's update, batched by shape, split across ranks (DDP
 and FSDP2), in the run's precision, compiled without recompiles, and resumable bitwise
 (also from a checkpoint torch.optim.Muon wrote)."""
-import runpy
-import sys
-
 import pytest
 import torch
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_newton_schulz
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from tests.fault_helpers import assert_clean_exit
+from tests.assertions import assert_bitwise_equal, assert_clean_exit, assert_same_state
+from scripts.launching import REPO_ROOT
+from tests.jobs import run_trainer
+from tests.run_outputs import latest_checkpoint, out_args
+from tests.tiny import TINY
 from tests.fault_injection import fault_env
-from tests.forked_ranks import train_forked
-from tests.launch_utils import (
-    REPO_ROOT, TINY, assert_bitwise_equal, assert_same_state, latest_checkpoint, out_args, run_in_process,
-    train_in_process,
-)
 from trainer.muon import NS_COEFFICIENTS, Muon, newton_schulz, shard_rows, stacks_of
 from trainer.optim import is_block_matrix
 
@@ -140,20 +136,10 @@ WORKER = REPO_ROOT / "tests" / "muon_worker.py"
 def _worker_results(tmp_path, layout, nproc) -> list[dict]:
     """Each rank's saved weights and Newton-Schulz FLOPs after the worker's three steps."""
     prefix = tmp_path / layout
-    if nproc == 1:
-        result = run_in_process(lambda: _run_worker_here(prefix, layout), tmp_path)
-    else:
-        result = train_forked(nproc, [prefix, layout], tmp_path, timeout=300, script=WORKER)
+    result = run_trainer([prefix, layout], tmp_path, nproc=nproc, mode="inprocess" if nproc == 1 else "forked",
+                         timeout=300, script=WORKER)
     assert_clean_exit(result.returncode, result.stdout, f"{nproc}-process {layout} Muon")
     return [torch.load(f"{prefix}_rank{r}.pt", weights_only=True) for r in range(nproc)]
-
-
-def _run_worker_here(prefix, layout):
-    argv, sys.argv = sys.argv, [str(WORKER), str(prefix), layout]
-    try:
-        runpy.run_path(str(WORKER), run_name="__main__")
-    finally:
-        sys.argv = argv
 
 
 @pytest.fixture(scope="module")
@@ -182,12 +168,12 @@ def test_muon_resumes_bitwise_after_a_kill(tmp_path):
     preloaded trainer); the uninterrupted and the resumed run are in-process, on one thread
     as the forked one."""
     base = [*TINY, "--optimizer", "muon", "--max_steps", "6", "--save_interval", "2"]  # the later flag wins
-    whole = train_in_process([*base, *out_args(tmp_path / "whole")], tmp_path)
+    whole = run_trainer([*base, *out_args(tmp_path / "whole")], tmp_path)
     assert whole.returncode == 0, whole.stdout[-3000:]
-    killed = train_forked(1, [*base, *out_args(tmp_path / "killed")], tmp_path,
-                          env=fault_env("kill", at=5))
+    killed = run_trainer([*base, *out_args(tmp_path / "killed")], tmp_path, nproc=1, mode="forked",
+                         env=fault_env("kill", at=5))
     assert killed.returncode != 0
-    resumed = train_in_process([*base, *out_args(tmp_path / "killed"), "--from_resume", "1"], tmp_path)
+    resumed = run_trainer([*base, *out_args(tmp_path / "killed"), "--from_resume", "1"], tmp_path)
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     assert "resumed from" in resumed.stdout and "step 4/6" in resumed.stdout
     a, b = latest_checkpoint(tmp_path / "whole"), latest_checkpoint(tmp_path / "killed")
@@ -217,8 +203,8 @@ def test_a_checkpoint_written_with_torch_optim_muon_resumes(tmp_path):
     lm_checkpoint(str(run / "ckpt"), "pretrain_64", model, old,
                   state={"scaler": {}, "global_step": 1, "epoch": 0, "step_in_epoch": 1, "samples_per_step": 4,
                          "world_size": 1, "tokens_seen": 256, "rng": []})
-    resumed = train_in_process([*TINY, *out_args(run), "--optimizer", "muon", "--max_steps", "3", "--from_resume", "1"],
-                               tmp_path)
+    resumed = run_trainer([*TINY, *out_args(run), "--optimizer", "muon", "--max_steps", "3", "--from_resume", "1"],
+                          tmp_path)
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     assert "resumed from" in resumed.stdout and "at step 1/3" in resumed.stdout
     assert latest_checkpoint(run)["global_step"] == 3

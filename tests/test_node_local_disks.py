@@ -9,10 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.fault_helpers import agreed_port, assert_clean_exit
+from tests.assertions import assert_clean_exit
+from scripts.elastic_agents import agreed_port
+from scripts.launching import REPO_ROOT, TORCHRUN
+from tests.jobs import run_env
+from tests.run_outputs import checkpoint_name, read_metrics
+from tests.tiny import TINY
 from tests.helpers_data import SAMPLE_TEXTS, write_jsonl
 from tests.fault_injection import fault_env
-from tests.launch_utils import REPO_ROOT, TINY, TORCHRUN, read_metrics, run_env
 
 STEPS, SAVE, KILL = 16, 5, 13  # saves at 5 and 10, rank 1 dies before step 13
 RUN = [*TINY, "--data_path", "dataset/small.jsonl", "--checkpoint_dir", "ckpt", "--save_dir", "out",
@@ -69,18 +73,18 @@ def test_resume_after_a_kill_needs_the_checkpoint_on_node_0_only(nodes):
     assert all(rc != 0 for rc, _ in killed), [out[-2000:] for _, out in killed]
     assert checkpoint_files(node0) == [
         "ckpt/pretrain_64_resume.pth",
-        *[f"ckpt/pretrain_64_resume_step{s:07d}.pth{suffix}" for s in (SAVE, 2 * SAVE) for suffix in ("", ".json")]]
+        *[f"ckpt/{checkpoint_name(s)}{suffix}" for s in (SAVE, 2 * SAVE) for suffix in ("", ".json")]]
     assert checkpoint_files(node1) == []
 
     resumed = run_two_nodes(nodes, extra=["--from_resume", "1"])
     for rank, (rc, output) in enumerate(resumed):
         assert_clean_exit(rc, output, f"node {rank}")
     out0 = resumed[0][1]
-    assert f"resumed from ckpt/pretrain_64_resume_step{2 * SAVE:07d}.pth at step {2 * SAVE}/{STEPS}" in out0
+    assert f"resumed from ckpt/{checkpoint_name(2 * SAVE)} at step {2 * SAVE}/{STEPS}" in out0
     trained = [int(m) for m in re.findall(r"^epoch \d+/\d+ step (\d+)/", out0, re.M)]
     assert trained == list(range(2 * SAVE + 1, STEPS + 1))
     assert read_metrics(node0)[-1]["step"] == STEPS
-    assert f"ckpt/pretrain_64_resume_step{STEPS:07d}.pth" in checkpoint_files(node0)
+    assert f"ckpt/{checkpoint_name(STEPS)}" in checkpoint_files(node0)
     # Node 1 never had a checkpoint (nor weights) of its own, before or after.
     assert checkpoint_files(node1) == [] and not (node1 / "ckpt").exists() and not (node1 / "out").exists()
 

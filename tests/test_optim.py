@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from tests.launch_utils import REPO_ROOT
+from scripts.launching import REPO_ROOT
 from trainer.optim import OptimConfig, build_optimizer, param_groups, peak_lrs, set_lr
 
 def tiny_model(**kw):

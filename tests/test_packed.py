@@ -14,7 +14,7 @@ from common.errors import DataError
 from dataset.packed_dataset import PackedPretrainDataset, dtype_for_vocab, meta_path, read_meta, write_meta
 from scripts.prepare_data import prepare
 from tests import helpers_data
-from tests.launch_utils import REPO_ROOT
+from scripts.launching import REPO_ROOT
 
 PREPARE_SCRIPT = REPO_ROOT / "scripts" / "prepare_data.py"
 

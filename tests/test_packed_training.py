@@ -7,13 +7,11 @@ import torch
 
 from model.model_minimind import MiniMindForCausalLM
 from tests.helpers_data import SAMPLE_TEXTS, write_jsonl
-from tests.fault_helpers import assert_clean_exit
-from tests.forked_ranks import train_forked
+from tests.assertions import assert_bitwise_equal, assert_clean_exit, max_abs_diff
+from tests.jobs import run_trainer
+from tests.run_outputs import latest_checkpoint, out_args, read_metrics
+from tests.tiny import TINY, small_corpus
 from tests.fault_injection import fault_env
-from tests.launch_utils import (
-    TINY, assert_bitwise_equal, latest_checkpoint, max_abs_diff, out_args, read_metrics, small_corpus,
-    train_in_process,
-)
 
 BOS = 1  # model/tokenizer.json's <|im_start|>, which starts every packed document
 
@@ -29,17 +27,18 @@ def _args(corpus, run_dir, *extra):
 
 @pytest.mark.slow
 def test_packed_run_trains_only_real_tokens_and_resumes_exactly(packed_corpus, tmp_path):
-    straight = train_forked(2, _args(packed_corpus, tmp_path / "straight"), tmp_path)
+    straight = run_trainer(_args(packed_corpus, tmp_path / "straight"), tmp_path, nproc=2, mode="forked")
     assert_clean_exit(straight.returncode, straight.stdout, "straight run")
     rows = [json.loads(line) for line in (tmp_path / "straight" / "out" / "pretrain_64_metrics.jsonl").open()]
     train_rows = [r for r in rows if r["kind"] == "train"]
     # No padding: every position of every window is a real next-token target.
     assert train_rows[-1]["tokens_seen"] == 6 * 8 * 64
 
-    killed = train_forked(2, _args(packed_corpus, tmp_path / "resumed"), tmp_path,
-                          env=fault_env("kill", at=4, rank=1))
+    killed = run_trainer(_args(packed_corpus, tmp_path / "resumed"), tmp_path, nproc=2, mode="forked",
+                         env=fault_env("kill", at=4, rank=1))
     assert killed.returncode != 0
-    resumed = train_forked(2, _args(packed_corpus, tmp_path / "resumed", "--from_resume", "1"), tmp_path)
+    resumed = run_trainer(_args(packed_corpus, tmp_path / "resumed", "--from_resume", "1"), tmp_path, nproc=2,
+                          mode="forked")
     assert_clean_exit(resumed.returncode, resumed.stdout, "resumed run")
     assert "at step 3/6" in resumed.stdout
     assert_bitwise_equal(latest_checkpoint(tmp_path / "straight")["model"],
@@ -70,8 +69,8 @@ def test_doc_mask_trains(short_documents, tmp_path, monkeypatch):
         return forward(self, input_ids, attention_mask, *args, **kwargs)
 
     monkeypatch.setattr(MiniMindForCausalLM, "forward", recording)
-    masked = train_in_process(_args(packed_corpus, tmp_path / "masked", "--doc_mask", "1", "--max_steps", "2"),
-                              tmp_path / "masked")
+    masked = run_trainer(_args(packed_corpus, tmp_path / "masked", "--doc_mask", "1", "--max_steps", "2"),
+                         tmp_path / "masked")
     assert masked.returncode == 0, masked.stdout[-3000:]
     assert latest_checkpoint(tmp_path / "masked")["global_step"] == 2
     assert len(seen) == 2
@@ -87,8 +86,8 @@ def test_doc_mask_trains(short_documents, tmp_path, monkeypatch):
 
     masked_windows = [ids for ids, _ in seen]
     seen.clear()
-    plain = train_in_process(_args(packed_corpus, tmp_path / "plain", "--doc_mask", "0", "--max_steps", "2"),
-                             tmp_path / "plain")
+    plain = run_trainer(_args(packed_corpus, tmp_path / "plain", "--doc_mask", "0", "--max_steps", "2"),
+                        tmp_path / "plain")
     assert plain.returncode == 0, plain.stdout[-3000:]
     assert all(mask is None for _, mask in seen) and len(seen) == 2
     assert all(torch.equal(a, b) for a, (b, _) in zip(masked_windows, seen))  # the same windows...

@@ -8,8 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.forked_ranks import train_forked
-from tests.launch_utils import TINY, out_args, train_in_process
+from tests.jobs import run_trainer
+from tests.run_outputs import out_args
+from tests.tiny import TINY
 from trainer.profiling import Profiling
 
 
@@ -19,7 +20,7 @@ def trace_events(path) -> list[dict]:
 
 
 def test_profile_steps_writes_a_chrome_trace_of_those_steps(tmp_path):
-    run = train_in_process([*TINY, *out_args(tmp_path), "--max_steps", "5", "--profile_steps", "2:3"], tmp_path)
+    run = run_trainer([*TINY, *out_args(tmp_path), "--max_steps", "5", "--profile_steps", "2:3"], tmp_path)
     assert run.returncode == 0, run.stdout[-3000:]
     traces = list((tmp_path / "out" / "profile").iterdir())
     assert [p.name for p in traces] == ["pretrain_64_steps2-3_rank0.pt.trace.json.gz"]  # TensorBoard's naming
@@ -31,8 +32,8 @@ def test_profile_steps_writes_a_chrome_trace_of_those_steps(tmp_path):
 
 @pytest.mark.slow
 def test_profile_ranks_all_writes_one_trace_per_rank(tmp_path):
-    run = train_forked(2, [*TINY, *out_args(tmp_path), "--max_steps", "3", "--profile_steps", "3:9",
-                           "--profile_ranks", "all"], tmp_path)
+    run = run_trainer([*TINY, *out_args(tmp_path), "--max_steps", "3", "--profile_steps", "3:9",
+                           "--profile_ranks", "all"], tmp_path, nproc=2, mode="forked")
     assert run.returncode == 0, run.stdout[-3000:]
     traces = sorted(p.name for p in (tmp_path / "out" / "profile").iterdir())
     assert traces == [f"pretrain_64_steps3-3_rank{r}.pt.trace.json.gz" for r in (0, 1)]  # the window ends with the run
@@ -92,7 +93,7 @@ def test_out_of_memory_writes_a_snapshot_and_still_fails(tmp_path, fake_cuda_mem
 
 
 def test_memory_snapshot_on_cpu_is_one_line(tmp_path):
-    run = train_in_process([*TINY, *out_args(tmp_path), "--max_steps", "2", "--memory_snapshot", "1"], tmp_path)
+    run = run_trainer([*TINY, *out_args(tmp_path), "--max_steps", "2", "--memory_snapshot", "1"], tmp_path)
     assert run.returncode == 2
     assert "error: --memory_snapshot 1 records CUDA allocations, and this run is on the CPU" in run.stdout
     assert "Traceback" not in run.stdout

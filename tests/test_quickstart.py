@@ -21,8 +21,9 @@ from common.errors import DataError
 from dataset.packed_dataset import write_meta
 from scripts.split_corpus import split_corpus
 from scripts.unigram_baseline import unigram_baseline
-from tests.fault_helpers import assert_clean_exit
-from tests.launch_utils import REPO_ROOT, run_env
+from tests.assertions import assert_clean_exit
+from scripts.launching import REPO_ROOT
+from tests.jobs import run_env
 
 QUICKSTART = REPO_ROOT / "scripts" / "quickstart.sh"
 

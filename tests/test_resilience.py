@@ -17,9 +17,9 @@ import torch
 from torch.utils.data import Dataset, SequentialSampler
 
 from common.errors import UserError
-from tests.fault_helpers import worker_tracebacks
+from tests.assertions import worker_tracebacks
+from scripts.launching import REPO_ROOT
 from tests.fault_injection import FaultPlan, fault_env as fault
-from tests.launch_utils import REPO_ROOT
 from trainer.data import LoaderStalled, delivered_batches, make_train_loader
 from trainer.hooks import StepHooks, load_step_hooks
 from trainer.preflight import MAX_WORKER_TMPDIR, check_worker_tmpdir

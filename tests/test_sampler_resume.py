@@ -10,9 +10,10 @@ from types import SimpleNamespace
 import pytest
 from torch.utils.data import Dataset
 
-from tests.fault_helpers import assert_clean_exit
-from tests.forked_ranks import train_forked
-from tests.launch_utils import TINY, latest_checkpoint, out_args, read_metrics, train_in_process
+from tests.assertions import assert_clean_exit
+from tests.jobs import run_trainer
+from tests.run_outputs import latest_checkpoint, out_args, read_metrics
+from tests.tiny import TINY
 from trainer.data import ResumableDistributedSampler, make_train_loader
 from trainer.train_state import TrainState, plan_steps, resume_step
 
@@ -178,10 +179,11 @@ K1, K2 = 4, 12  # 2 processes x batch 4 to step 4 = 32 samples = step 8 of 1 pro
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("resume")
-    first = train_forked(2, [*TINY, *out_args(run_dir), "--max_steps", str(K1), "--save_interval", str(K1)], run_dir)
+    first = run_trainer([*TINY, *out_args(run_dir), "--max_steps", str(K1), "--save_interval", str(K1)], run_dir,
+                        nproc=2, mode="forked")
     assert_clean_exit(first.returncode, first.stdout, "first run")
     saved = latest_checkpoint(run_dir)
-    second = train_in_process([*TINY, *out_args(run_dir), "--from_resume", "1", "--max_steps", str(K2)], run_dir)
+    second = run_trainer([*TINY, *out_args(run_dir), "--from_resume", "1", "--max_steps", str(K2)], run_dir)
     return run_dir, saved, second
 
 
@@ -223,7 +225,7 @@ def test_a_finished_run_resumed_again_trains_nothing_and_keeps_its_checkpoint(re
     run_dir = tmp_path / "again"
     shutil.copytree(resumed[0], run_dir)
     before = sorted(p.name for p in (run_dir / "ckpt").iterdir())
-    again = train_in_process([*TINY, *out_args(run_dir), "--from_resume", "1", "--max_steps", str(K2)], tmp_path)
+    again = run_trainer([*TINY, *out_args(run_dir), "--from_resume", "1", "--max_steps", str(K2)], tmp_path)
     assert again.returncode == 0, again.stdout[-3000:]
     assert "nothing left to train" in again.stdout
     assert sorted(p.name for p in (run_dir / "ckpt").iterdir()) == before
@@ -235,10 +237,12 @@ def test_resume_picks_the_most_trained_checkpoint_not_the_highest_step(resumed, 
     (64 samples). Step 8 is the newer checkpoint although its number is smaller."""
     run_dir = tmp_path / "grow"
     shutil.copytree(resumed[0], run_dir)
-    grown = train_forked(2, [*TINY, *out_args(run_dir), "--from_resume", "1", "--max_steps", "8"], tmp_path)
+    grown = run_trainer([*TINY, *out_args(run_dir), "--from_resume", "1", "--max_steps", "8"], tmp_path, nproc=2,
+                        mode="forked")
     assert_clean_exit(grown.returncode, grown.stdout, "grown run")
     assert "at step 6/8" in grown.stdout
     assert latest_checkpoint(run_dir)["global_step"] == 8
-    third = train_forked(2, [*TINY, *out_args(run_dir), "--from_resume", "1", "--max_steps", "10"], tmp_path)
+    third = run_trainer([*TINY, *out_args(run_dir), "--from_resume", "1", "--max_steps", "10"], tmp_path, nproc=2,
+                        mode="forked")
     assert_clean_exit(third.returncode, third.stdout, "third run")
     assert re.search(r"resumed from \S+_resume_step0000008\.pth at step 8/10", third.stdout)

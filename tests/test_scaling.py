@@ -6,8 +6,10 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.fault_helpers import assert_clean_exit, job, run_all
-from tests.launch_utils import TINY, assert_bitwise_equal, latest_checkpoint, max_abs_diff, out_args
+from tests.assertions import assert_bitwise_equal, assert_clean_exit, max_abs_diff
+from tests.jobs import JobSpec, run_all
+from tests.run_outputs import checkpoint_name, latest_checkpoint, out_args
+from tests.tiny import TINY
 from tests.fault_injection import fault_env
 
 # 20 steps with the default optimizer (Muon on the blocks, AdamW on the rest), killed at
@@ -37,28 +39,28 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("scaling")
     first = {
         # The 1-process jobs first: two of them share the two cores best.
-        "single": job(1, [*BASE, *out_args(root / "single")], root / "single", launcher="forked"),
-        "ws1to2/killed": job(1, [*BASE, *out_args(root / "ws1to2")], root / "ws1to2", env=KILLED,
-                             launcher="forked"),
-        "ddp": job(2, [*BASE, *out_args(root / "ddp")], root / "ddp", launcher="forked"),
-        "fsdp": job(2, [*BASE, *out_args(root / "fsdp"), "--parallel", "fsdp"], root / "fsdp", launcher="forked"),
-        "bad_batch": job(2, [*BASE, *out_args(root / "bad"), "--global_batch_size", "12"], root / "bad",
-                         launcher="forked"),
-        "ws2to1/killed": job(2, [*BASE, *out_args(root / "ws2to1")], root / "ws2to1", env=KILLED,
-                             launcher="forked"),
-        "fsdp_killed/killed": job(2, [*BASE, *out_args(root / "fsdp_killed"), "--parallel", "fsdp"],
-                                  root / "fsdp_killed", env=KILLED, launcher="forked"),
+        "single": JobSpec([*BASE, *out_args(root / "single")], root / "single", nproc=1, mode="forked"),
+        "ws1to2/killed": JobSpec([*BASE, *out_args(root / "ws1to2")], root / "ws1to2", nproc=1, mode="forked",
+                                 env=KILLED),
+        "ddp": JobSpec([*BASE, *out_args(root / "ddp")], root / "ddp", nproc=2, mode="forked"),
+        "fsdp": JobSpec([*BASE, *out_args(root / "fsdp"), "--parallel", "fsdp"], root / "fsdp", nproc=2, mode="forked"),
+        "bad_batch": JobSpec([*BASE, *out_args(root / "bad"), "--global_batch_size", "12"], root / "bad", nproc=2,
+                             mode="forked"),
+        "ws2to1/killed": JobSpec([*BASE, *out_args(root / "ws2to1")], root / "ws2to1", nproc=2, mode="forked",
+                                 env=KILLED),
+        "fsdp_killed/killed": JobSpec([*BASE, *out_args(root / "fsdp_killed"), "--parallel", "fsdp"],
+                                      root / "fsdp_killed", nproc=2, mode="forked", env=KILLED),
     }
-    done = {name: (first[name][1], result) for name, result in run_all(first, timeout=240).items()}
+    done = {name: (first[name].run_dir, result) for name, result in run_all(first, timeout=240).items()}
     shutil.copytree(root / "fsdp_killed", root / "dcp2to1", symlinks=True)
     done["dcp2to1/killed"] = done["fsdp_killed/killed"]
     resumes = {}
     for name, (killed_nproc, nproc, extra) in INTERRUPTED.items():
         saved = root / name / "ckpt" / f"pretrain_64_resume{_suffix(extra, killed_nproc)}"
         done[f"{name}/step"] = saved.exists() and latest_checkpoint(root / name, suffix=saved.suffix)["global_step"]
-        resumes[name] = job(nproc, [*BASE, *out_args(root / name), *extra, "--from_resume", "1"], root / name,
-                            launcher="forked")
-    done.update({name: (resumes[name][1], result) for name, result in run_all(resumes, timeout=240).items()})
+        resumes[name] = JobSpec([*BASE, *out_args(root / name), *extra, "--from_resume", "1"], root / name, nproc=nproc,
+                                mode="forked")
+    done.update({name: (resumes[name].run_dir, result) for name, result in run_all(resumes, timeout=240).items()})
     return done
 
 
@@ -114,7 +116,7 @@ def ddp_run(runs):
 @pytest.mark.slow
 def test_fsdp_matches_ddp_step_for_step(ddp_run, runs, tmp_path):
     fsdp_dir = _ok(runs, "fsdp")[0]
-    assert (fsdp_dir / "ckpt" / f"pretrain_64_resume_step{STEPS:07d}.dcp").is_dir()
+    assert (fsdp_dir / "ckpt" / checkpoint_name(STEPS, sharded=True)).is_dir()
     fsdp = _full_weights_of_dcp(tmp_path, fsdp_dir)
     assert max_abs_diff(fsdp, ddp_run) <= 1e-5
     # MiniMind-format weights are gathered on rank 0 and hold every tensor.
@@ -141,7 +143,7 @@ def test_fsdp_killed_and_resumed_matches_uninterrupted_fsdp(runs, tmp_path):
 @pytest.mark.slow
 def test_two_process_dcp_checkpoint_resumes_on_one_process(uninterrupted, runs):
     run_dir, resumed = _interrupted_then_resumed(runs, "dcp2to1")
-    assert f"pretrain_64_resume_step{SAVE:07d}.dcp at step {SAVE}/{STEPS}" in resumed.stdout
+    assert f"{checkpoint_name(SAVE, sharded=True)} at step {SAVE}/{STEPS}" in resumed.stdout
     final = latest_checkpoint(run_dir)
     assert final["global_step"] == STEPS and final["world_size"] == 1
     assert max_abs_diff(final["model"], uninterrupted) <= 1e-5

@@ -24,9 +24,11 @@ from dataset.shards import MANIFEST, ShardedPackedDataset
 from scripts import prepare_data
 from scripts.prepare_data import prepare
 from tests import helpers_data
-from tests.fault_helpers import assert_clean_exit
-from tests.forked_ranks import train_forked
-from tests.launch_utils import REPO_ROOT, TINY, assert_bitwise_equal, latest_checkpoint, out_args
+from tests.assertions import assert_bitwise_equal, assert_clean_exit
+from scripts.launching import REPO_ROOT
+from tests.jobs import run_trainer
+from tests.run_outputs import checkpoint_name, latest_checkpoint, out_args
+from tests.tiny import TINY
 from tests.fault_injection import fault_env
 from trainer.data import ResumableDistributedSampler, open_dataset
 
@@ -304,16 +306,16 @@ def test_training_on_shards_resumes_bitwise_as_on_the_concatenated_file(tmp_path
     prepare(str(tmp_path / "data" / "*.jsonl"), tmp_path / "shards", tok_dir, num_proc=1, shard_tokens=5000)
 
     base = [*TINY, "--max_steps", "6", "--save_interval", "3", "--global_batch_size", "8", "--num_workers", "1"]
-    straight = train_forked(2, [*base, "--data_path", str(tmp_path / "whole.bin"), *out_args(tmp_path / "straight")],
-                            tmp_path / "straight")
+    straight = run_trainer([*base, "--data_path", str(tmp_path / "whole.bin"), *out_args(tmp_path / "straight")],
+                           tmp_path / "straight", nproc=2, mode="forked")
     assert_clean_exit(straight.returncode, straight.stdout, "straight")
     shard_args = [*base, "--data_path", str(tmp_path / "shards"), *out_args(tmp_path / "resumed")]
     kill_at_4 = fault_env("kill", at=4, rank=1)
-    killed = train_forked(2, shard_args, tmp_path / "resumed", env=kill_at_4)
+    killed = run_trainer(shard_args, tmp_path / "resumed", nproc=2, mode="forked", env=kill_at_4)
     assert killed.returncode != 0 and "[fault injection] rank 1 SIGKILLs itself at step 4" in killed.stdout
-    resumed = train_forked(2, [*shard_args, "--from_resume", "1"], tmp_path / "resumed")
+    resumed = run_trainer([*shard_args, "--from_resume", "1"], tmp_path / "resumed", nproc=2, mode="forked")
     assert_clean_exit(resumed.returncode, resumed.stdout, "resumed")
-    assert "pretrain_64_resume_step0000003.pth at step 3/6" in resumed.stdout
+    assert f"{checkpoint_name(3)} at step 3/6" in resumed.stdout
     on_file, on_shards = latest_checkpoint(tmp_path / "straight"), latest_checkpoint(tmp_path / "resumed")
     assert on_file["global_step"] == on_shards["global_step"] == 6
     assert_bitwise_equal(on_file["model"], on_shards["model"])

@@ -17,7 +17,9 @@ from common.errors import UserError, WeightsError
 from model.weights import load_model, read_checkpoint, sidecar_path, sidecar_text
 from scripts.convert_model import main as convert_main, save_pth
 from scripts.eval_llm import main as eval_main
-from tests.launch_utils import TINY, ensure_demo_corpus, out_args, train_in_process
+from tests.jobs import run_trainer
+from tests.run_outputs import out_args
+from tests.tiny import TINY, ensure_demo_corpus
 from trainer.args import parse_args
 from trainer.stateful import export_weights
 from trainer.trainer_utils import init_model, model_config_from_args
@@ -54,7 +56,7 @@ def trained(tmp_path_factory):
 
     shape_free = TINY[4:]
     assert TINY[:4] == ["--hidden_size", "64", "--num_hidden_layers", "2"]
-    result = train_in_process([*shape_free, "--from_weight", str(work / "start" / "start_64.pth"),
+    result = run_trainer([*shape_free, "--from_weight", str(work / "start" / "start_64.pth"),
                                "--data_path", str(corpus), "--max_steps", "1", "--save_interval", "1",
                                *out_args(work / "run")], work / "run")
     assert result.returncode == 0, result.stdout[-3000:]

@@ -10,10 +10,11 @@ import time
 import pytest
 import torch
 
-from tests.fault_helpers import ABORT_SIGNS, assert_clean_exit
-from tests.launch_utils import (
-    REPO_ROOT, TINY, TORCHRUN, assert_bitwise_equal, kill_tree, latest_checkpoint, out_args, start_training,
-)
+from tests.assertions import ABORT_SIGNS, assert_bitwise_equal, assert_clean_exit
+from scripts.launching import REPO_ROOT, TORCHRUN
+from tests.jobs import JobSpec, start_trainer
+from tests.run_outputs import latest_checkpoint, out_args
+from tests.tiny import TINY
 
 SBATCH = REPO_ROOT / "scripts" / "slurm" / "pretrain.sbatch"
 CLUSTER = REPO_ROOT / "scripts" / "slurm" / "local_cluster.sh"
@@ -94,15 +95,13 @@ def test_sbatch_trains_like_torchrun_with_two_processes(slurm, tmp_path):
     # The same 2 processes under a plain torchrun, started meanwhile: the same run, bit for bit.
     reference = tmp_path / "reference"
     reference.mkdir()
-    plain = start_training(2, [*args, *out_args(reference)], reference)
+    plain = start_trainer(JobSpec([*args, *out_args(reference)], reference, nproc=2, mode="torchrun"))
     try:
         wait_for(job, env, tmp_path, finished(job, env), 300, "finished job")
-        output = plain.communicate(timeout=240)[0]
-        assert_clean_exit(plain.returncode, output, "plain torchrun")
+        assert_clean_exit(plain.wait(timeout=240), plain.output(), "plain torchrun")
     finally:
         if plain.poll() is None:
-            kill_tree(plain.pid)
-            plain.wait()
+            plain.kill()
     log = job_log(tmp_path, job)
     assert f"done: {steps} steps" in log, log[-4000:]
     assert "1 node(s) x 2 process(es)" in log

@@ -5,7 +5,9 @@ it back in a cycle is tests/test_layers.py's.)"""
 import torch
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from tests.launch_utils import TINY, latest_checkpoint, out_args, train_in_process
+from tests.jobs import run_trainer
+from tests.run_outputs import checkpoint_name, latest_checkpoint, out_args
+from tests.tiny import TINY
 from trainer import optim, train_pretrain, trainer_utils
 from trainer.trainer_utils import lm_checkpoint
 
@@ -28,14 +30,14 @@ def test_every_entry_point_is_the_one_the_trainer_calls(tmp_path, monkeypatch):
             calls[_name] = calls.get(_name, 0) + 1
             return _function(*args, **kwargs)
         monkeypatch.setattr(owner, name, spy)
-    run = train_in_process([*TINY, *out_args(tmp_path), "--max_steps", "2"], tmp_path)
+    run = run_trainer([*TINY, *out_args(tmp_path), "--max_steps", "2"], tmp_path)
     assert run.returncode == 0, run.stdout[-3000:]
     expected = [n for n in trainer_utils.__all__ if WHERE_THE_TRAINER_LOOKS.get(n, train_pretrain) is not None]
     assert sorted(calls) == sorted(expected), f"never called by the trainer: {set(expected) - set(calls)}"
 
 
 def test_lm_checkpoint_reads_what_the_trainer_wrote(tmp_path):
-    run = train_in_process([*TINY, *out_args(tmp_path), "--max_steps", "4", "--save_interval", "2"], tmp_path)
+    run = run_trainer([*TINY, *out_args(tmp_path), "--max_steps", "4", "--save_interval", "2"], tmp_path)
     assert run.returncode == 0, run.stdout[-3000:]
     config = MiniMindConfig(hidden_size=64, num_hidden_layers=2)
     loaded = lm_checkpoint(str(tmp_path / "ckpt"), "pretrain_64", model_config=config.to_dict())
@@ -54,7 +56,7 @@ def test_the_trainer_resumes_what_lm_checkpoint_wrote(tmp_path):
     from trainer.optim import OptimConfig, build_optimizer
 
     base = [*TINY, *out_args(tmp_path), "--optimizer", "adamw", "--max_steps", "4", "--save_interval", "2"]
-    first = train_in_process([*base, "--max_steps", "2"], tmp_path)
+    first = run_trainer([*base, "--max_steps", "2"], tmp_path)
     assert first.returncode == 0, first.stdout[-3000:]
     saved = latest_checkpoint(tmp_path)
     config = MiniMindConfig(hidden_size=64, num_hidden_layers=2)
@@ -64,7 +66,7 @@ def test_the_trainer_resumes_what_lm_checkpoint_wrote(tmp_path):
     state = {k: saved[k] for k in ("scaler", "global_step", "epoch", "step_in_epoch", "samples_per_step",
                                    "world_size", "tokens_seen", "wandb_run_id", "rng")}
     path = lm_checkpoint(str(tmp_path / "script"), "pretrain_64", model, optimizer, state=state)
-    assert path.endswith("pretrain_64_resume_step0000002.pth")
-    resumed = train_in_process([*base, "--checkpoint_dir", str(tmp_path / "script"), "--from_resume", "1"], tmp_path)
+    assert path.endswith(checkpoint_name(2))
+    resumed = run_trainer([*base, "--checkpoint_dir", str(tmp_path / "script"), "--from_resume", "1"], tmp_path)
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     assert f"resumed from {path} at step 2/4" in resumed.stdout

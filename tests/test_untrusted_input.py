@@ -18,9 +18,11 @@ from common.errors import UserError, WeightsError
 from model.weights import load_model, read_checkpoint
 from scripts.convert_model import save_pth
 from scripts.eval_llm import main as eval_main
-from tests.fault_helpers import assert_clean_exit, error_lines, run_all, worker_tracebacks
-from tests.forked_ranks import Forked
-from tests.launch_utils import FLAGS, REPO_ROOT, TINY, TORCHRUN, TRAIN, out_args, train_tiny
+from tests.assertions import assert_clean_exit, error_lines, worker_tracebacks
+from scripts.launching import REPO_ROOT
+from tests.jobs import JobSpec, run_all
+from tests.run_outputs import out_args
+from tests.tiny import FLAGS, TINY, train_tiny
 from trainer.device import resolve_device
 from trainer.checkpoint import verify_checkpoint
 from trainer.stateful import export_weights
@@ -70,18 +72,19 @@ def launched(tmp_path_factory):
     as is the shared-directory check's pair of ranks; torchrun's own job is a real torchrun."""
     root = tmp_path_factory.mktemp("untrusted")
     evil = root / "evil.pth"
-    commands = {
-        "eval_llm": Forked(1, SCRIPTS / "eval_llm.py", ["--weight_path", str(evil), "--prompt", "x",
-                                                        "--device", "cpu"]),
-        "train_pretrain": Forked(1, TRAIN, [*TINY, *out_args(root / "train_pretrain"), "--max_steps", "2",
-                                            "--from_weight", str(evil)]),
-        "convert_model": Forked(1, SCRIPTS / "convert_model.py", ["--weight_path", str(evil),
-                                                                  "--out_dir", str(root / "hf")]),
-        "torchrun_bad_flag": [*TORCHRUN, "--standalone", "--nproc_per_node=2", str(TRAIN),
-                              *TINY, *out_args(root / "torchrun_bad_flag"), "--learning_rate", "nan"],
-        "shared_dir": Forked(2, REPO_ROOT / "tests" / "shared_dir_worker.py", [str(root / "shared_dir")]),
+    jobs = {
+        "eval_llm": JobSpec(["--weight_path", str(evil), "--prompt", "x", "--device", "cpu"], root / "eval_llm",
+                            mode="forked", script=SCRIPTS / "eval_llm.py"),
+        "train_pretrain": JobSpec([*TINY, *out_args(root / "train_pretrain"), "--max_steps", "2",
+                                   "--from_weight", str(evil)], root / "train_pretrain", mode="forked"),
+        "convert_model": JobSpec(["--weight_path", str(evil), "--out_dir", str(root / "hf")], root / "convert_model",
+                                 mode="forked", script=SCRIPTS / "convert_model.py"),
+        "torchrun_bad_flag": JobSpec([*TINY, *out_args(root / "torchrun_bad_flag"), "--learning_rate", "nan"],
+                                     root / "torchrun_bad_flag", nproc=2, mode="torchrun",
+                                     launcher_args=("--standalone",)),
+        "shared_dir": JobSpec([str(root / "shared_dir")], root / "shared_dir", nproc=2, mode="forked",
+                              script=REPO_ROOT / "tests" / "shared_dir_worker.py"),
     }
-    jobs = {name: (cmd, root / name, None) for name, cmd in commands.items()}
     (root / "shared_dir").mkdir()
     (root / "shared_dir" / "a_file").write_text("not a folder")
     # One payload file for all three entry points: any of them that unpickles it leaves the marker.
