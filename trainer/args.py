@@ -12,85 +12,114 @@ from trainer.optim import check_optim_args
 from trainer.profiling import step_window
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# MiniMind's own flags (its trainer/train_pretrain.py): a public interface, same names, same meanings.
+MINIMIND_FLAGS = ("save_dir", "save_weight", "epochs", "batch_size", "learning_rate", "device", "dtype",
+                  "num_workers", "accumulation_steps", "grad_clip", "log_interval", "save_interval", "hidden_size",
+                  "num_hidden_layers", "max_seq_len", "use_moe", "data_path", "from_weight", "from_resume",
+                  "use_wandb", "wandb_project", "use_compile")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """Every flag, with its help: docs/flags.md is generated from it (scripts/flags_table.py)."""
     p = OneLineArgumentParser(description="MiniMind pre-training (single process, torchrun DDP/FSDP, multi-node)")
+    for add_group in (_output_flags, _optimisation_flags, _model_flags, _data_flags, _system_flags):
+        add_group(p)
+    return p
+
+
+def _output_flags(p):
     out = p.add_argument_group("output")
-    out.add_argument("--save_dir", default=str(REPO_ROOT / "out"), help="weights (.pth) and metrics go here")
+    out.add_argument("--save_dir", default=str(REPO_ROOT / "out"),
+                     help="weights (.pth, with its config .json) and metrics go here")
     out.add_argument("--save_weight", default="pretrain", help="file name prefix of weights and checkpoints")
     out.add_argument("--checkpoint_dir", default=str(REPO_ROOT / "checkpoints"), help="resume checkpoints go here")
     out.add_argument("--save_interval", type=int, default=100, help="save weights + resume checkpoint every N steps")
     out.add_argument("--save_every_minutes", type=float, default=0,
-                     help="also save when this many minutes passed since the last save (0: off; "
-                          "checked every --log_interval steps)")
+                     help="also save when this many minutes passed since the last save, on rank 0's clock (0: off)")
     out.add_argument("--keep_last", type=int, default=3, help="resume checkpoints to keep")
     out.add_argument("--log_interval", type=int, default=10, help="log every N optimizer steps")
-    out.add_argument("--use_wandb", action="store_true")
-    out.add_argument("--wandb_project", default="MiniMind-Pretrain")
+    out.add_argument("--use_wandb", action="store_true", help="log to Weights & Biases (offline without a key)")
+    out.add_argument("--wandb_project", default="MiniMind-Pretrain", help="the wandb project")
 
+
+def _optimisation_flags(p):
     opt = p.add_argument_group("optimisation")
-    opt.add_argument("--epochs", type=int, default=1)
-    opt.add_argument("--max_steps", type=int, default=0, help="stop after N optimizer steps (0: run all epochs)")
+    opt.add_argument("--epochs", type=int, default=1, help="passes over the training data")
+    opt.add_argument("--max_steps", type=int, default=0,
+                     help="stop after N optimizer steps; the LR schedule spans them (0: run all epochs)")
     opt.add_argument("--batch_size", type=int, default=32, help="micro-batch per process")
     opt.add_argument("--accumulation_steps", type=int, default=1, help="micro-batches per optimizer step")
     opt.add_argument("--global_batch_size", type=int, default=0,
                      help="samples per optimizer step over all processes; derives --accumulation_steps (0: off)")
-    opt.add_argument("--learning_rate", type=float, default=3e-3, help="AdamW peak lr (MiniMind: 5e-4)")
-    opt.add_argument("--warmup_steps", type=int, default=10, help="linear warmup, then cosine to 10%% (MiniMind: 0)")
+    opt.add_argument("--learning_rate", type=float, default=3e-3, help="AdamW's peak lr (MiniMind: 5e-4)")
+    opt.add_argument("--warmup_steps", type=int, default=10,
+                     help="linear warmup, then cosine decay to 10%% of each group's peak (MiniMind: 0)")
     opt.add_argument("--optimizer", default="auto", choices=["auto", "adamw", "muon"],
-                     help="muon: Muon (trainer/muon.py) on the blocks' 2-D weights, AdamW on the rest; "
-                          "auto: muon, except fp16 runs and bf16 runs on CPUs without native bf16 (adamw)")
-    opt.add_argument("--muon_lr", type=float, default=0.02, help="Muon's peak lr (its own schedule follows the same shape)")
-    opt.add_argument("--muon_momentum", type=float, default=0.95)
+                     help="muon: Muon (trainer/muon.py) on the blocks' 2-D weights, AdamW on the embedding (= tied "
+                          "head) and norms; adamw: AdamW on everything; auto: muon, except fp16 runs and bf16 "
+                          "runs on CPUs without native bf16 (adamw), said in one line at start-up")
+    opt.add_argument("--muon_lr", type=float, default=0.02, help="Muon's peak lr (its schedule has the same shape)")
+    opt.add_argument("--muon_momentum", type=float, default=0.95, help="Muon's momentum (Nesterov)")
     opt.add_argument("--param_groups", default="split", choices=["split", "single"],
                      help="split: no weight decay on norms and other 1-D params; single: MiniMind's one AdamW group")
-    opt.add_argument("--grad_clip", type=float, default=1.0)
-    opt.add_argument("--weight_decay", type=float, default=0.01)
+    opt.add_argument("--grad_clip", type=float, default=1.0, help="clip the global gradient norm (0 or less: off)")
+    opt.add_argument("--weight_decay", type=float, default=0.01, help="decoupled weight decay (AdamW and Muon)")
     opt.add_argument("--adam_betas", type=adam_betas, default=(0.9, 0.95),
                      help="AdamW's beta1,beta2 (MiniMind, torch's default: 0.9,0.999)")
-    opt.add_argument("--seed", type=int, default=42)
+    opt.add_argument("--seed", type=int, default=42, help="initial weights, sample order, per-rank generators")
     opt.add_argument("--max_bad_steps", type=int, default=5, help="abort after N consecutive non-finite steps")
 
+
+def _model_flags(p):
     mdl = p.add_argument_group("model")
-    mdl.add_argument("--hidden_size", type=int, default=FLAG_DEFAULTS["hidden_size"])
-    mdl.add_argument("--num_hidden_layers", type=int, default=FLAG_DEFAULTS["num_hidden_layers"])
-    mdl.add_argument("--max_seq_len", type=int, default=340)
-    mdl.add_argument("--vocab_size", type=int, default=6400)
-    mdl.add_argument("--use_moe", type=int, default=0, choices=[0, 1])
+    mdl.add_argument("--hidden_size", type=int, default=FLAG_DEFAULTS["hidden_size"], help="model width (8 heads)")
+    mdl.add_argument("--num_hidden_layers", type=int, default=FLAG_DEFAULTS["num_hidden_layers"], help="blocks")
+    mdl.add_argument("--max_seq_len", type=int, default=340, help="tokens per sample (a padded line or a packed window)")
+    mdl.add_argument("--vocab_size", type=int, default=6400, help="the model's embedding rows (>= the tokenizer's)")
+    mdl.add_argument("--use_moe", type=int, default=0, choices=[0, 1], help="1: mixture-of-experts feed-forward blocks")
     mdl.add_argument("--from_weight", default=None, help="initial weights (.pth, .safetensors or resume checkpoint)")
     mdl.add_argument("--from_resume", type=int, default=0, choices=[0, 1], help="1: continue from the latest checkpoint")
-    mdl.add_argument("--tokenizer_path", default=str(REPO_ROOT / "model"))
+    mdl.add_argument("--tokenizer_path", default=str(REPO_ROOT / "model"), help="folder with tokenizer.json")
 
+
+def _data_flags(p):
     data = p.add_argument_group("data")
-    data.add_argument("--data_path", default=str(DEMO_CORPUS), help=".jsonl (padded) or .bin (packed, see prepare_data.py); or a directory, manifest.json or quoted glob of .bin shards or .jsonl files")
-    data.add_argument("--num_workers", type=int, default=2)
-    data.add_argument("--doc_mask", type=int, default=0, choices=[0, 1], help="packed data: attend within documents only")
+    data.add_argument("--data_path", default=str(DEMO_CORPUS), help=".jsonl (padded) or .bin (packed, see "
+                      "prepare_data.py); or a directory, manifest.json or quoted glob of .bin shards or .jsonl files")
+    data.add_argument("--num_workers", type=int, default=2, help="DataLoader worker processes per rank")
+    data.add_argument("--doc_mask", type=int, default=0, choices=[0, 1],
+                      help="packed data: attend within documents only (FlexAttention on CUDA, a dense mask on CPU)")
     data.add_argument("--val_data_path", default=None, help="held-out .jsonl or .bin")
-    data.add_argument("--val_fraction", type=float, default=0.01, help="hold-out share of the training data when no --val_data_path")
+    data.add_argument("--val_fraction", type=float, default=0.01,
+                      help="hold-out share of the training data (its tail) when no --val_data_path")
     data.add_argument("--eval_interval", type=int, default=100, help="validate every N steps (0: only at the end)")
     data.add_argument("--eval_batches", type=int, default=8, help="micro-batches per process per validation")
 
+
+def _system_flags(p):
     sys_ = p.add_argument_group("system")
-    sys_.add_argument("--device", default=None, help="default: cuda:LOCAL_RANK when CUDA is present, else cpu")
+    sys_.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda:LOCAL_RANK when CUDA is "
+                      "present, else cpu; under a launcher every rank takes cuda:LOCAL_RANK)")
     sys_.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                       help="autocast dtype; auto: bf16 on CUDA (fp16 on GPUs without bf16), bf16 on CPUs "
                            "with amx_bf16/avx512_bf16, else float32")
-    sys_.add_argument("--use_compile", type=int, default=0, choices=[0, 1])
-    sys_.add_argument("--parallel", default="ddp", choices=["ddp", "fsdp"])
-    sys_.add_argument("--grad_checkpointing", type=int, default=0, choices=[0, 1])
+    sys_.add_argument("--use_compile", type=int, default=0, choices=[0, 1], help="1: torch.compile the model")
+    sys_.add_argument("--parallel", default="ddp", choices=["ddp", "fsdp"],
+                      help="fsdp: FSDP2 shards parameters, gradients and optimizer state across ranks")
+    sys_.add_argument("--grad_checkpointing", type=int, default=0, choices=[0, 1],
+                      help="1: recompute each block in the backward pass (less memory, slower steps)")
     sys_.add_argument("--dist_timeout", type=float, default=600,
                       help="seconds a collective may wait for a peer, and the trainer for a DataLoader worker's batch")
     sys_.add_argument("--peak_tflops", type=float, default=0, help="device peak for MFU (default: looked up by GPU name)")
     sys_.add_argument("--profile_steps", type=step_window, default=None,
-                      help="A:B: a torch.profiler trace of optimizer steps A to B in {save_dir}/profile/ (Perfetto, TensorBoard)")
+                      help="A:B: a torch.profiler trace of optimizer steps A to B in {save_dir}/profile/ "
+                           "(Perfetto, TensorBoard)")
     sys_.add_argument("--profile_ranks", default="0", choices=["0", "all"], help="whose trace --profile_steps writes")
     sys_.add_argument("--memory_snapshot", type=int, default=0, choices=[0, 1],
                       help="1: a CUDA memory snapshot of the --profile_steps window (else steps 1:3) and on "
                            "out-of-memory, in {save_dir}/profile/ (pytorch.org/memory_viz)")
     # The legacy launcher passes --local-rank=N (older torch: --local_rank); LOCAL_RANK env wins.
     sys_.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int, default=None, help=argparse.SUPPRESS)
-    return p
 
 
 def adam_betas(text: str) -> tuple[float, float]:
