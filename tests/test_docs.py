@@ -1,0 +1,32 @@
+"""The documentation tells the truth about the code it describes: the flag reference is the
+parser's own text, the README names MiniMind's flags and stays a short path for a user, and
+every file the README and docs/ link to exists."""
+import re
+
+from scripts.flags_table import table
+from scripts.launching import REPO_ROOT
+from trainer.args import MINIMIND_FLAGS, build_parser
+
+README = (REPO_ROOT / "README.md").read_text()
+DOCS = {path: path.read_text() for path in sorted((REPO_ROOT / "docs").glob("*.md"))}
+
+
+def test_the_flag_reference_is_generated_from_the_parser():
+    assert (REPO_ROOT / "docs" / "flags.md").read_text() == table() + "\n", \
+        "docs/flags.md is stale: run python scripts/flags_table.py > docs/flags.md"
+    documented = set(re.findall(r"^\| `(--[\w-]+)`", DOCS[REPO_ROOT / "docs" / "flags.md"], re.M))
+    parsed = {a.option_strings[0] for a in build_parser()._actions if a.option_strings and a.help != "==SUPPRESS=="}
+    assert documented == parsed - {"-h"}
+
+
+def test_the_readme_names_minimind_s_flags_and_stays_short():
+    assert len(MINIMIND_FLAGS) == 22
+    missing = [flag for flag in MINIMIND_FLAGS if f"--{flag}" not in README]
+    assert not missing, missing
+    assert len(README.splitlines()) <= 320
+
+
+def test_every_linked_file_exists():
+    for path, text in [(REPO_ROOT / "README.md", README), *DOCS.items()]:
+        for target in re.findall(r"\]\((?!https?://|#)([^)#]+)", text):
+            assert (path.parent / target).exists(), f"{path.name} links to {target}, which does not exist"
