@@ -25,9 +25,14 @@ unless asked (`add_bos_token=True`), while our model is trained on documents tha
 with BOS. `bos=True` (the default here) matches `add_bos_token=True`; `bos=False` matches
 lm-eval's default.
 
-For a training loop: encode the task once (encode_task), then on every rank call
-count_correct(model, share) with that rank's share (shard) and all-reduce the returned
-counts; DownstreamResult.from_counts turns them into accuracies and standard errors.
+For a training loop: encode the task once, score each rank's share and add the counts up:
+
+    items = encode_task(tokenizer, load_task(path))                 # at start-up
+    counts = count_correct(net, shard(items, rank, world_size), device, autocast)
+    torch.distributed.all_reduce(counts)                            # [n, right, right_norm]
+    result = DownstreamResult.from_counts(counts)                   # .acc, .acc_norm, stderrs
+
+Per item, choice_logprobs gives every choice's log-likelihood and judge its verdicts.
 """
 import json
 import math
