@@ -183,7 +183,21 @@ def test_build_eval_task_is_deterministic_and_held_out(tmp_path):
 # -----------------------------------------------------------------------------
 # the same numbers from lm-evaluation-harness
 
-def test_lm_eval_agrees_with_our_scorer(tiny, tokenizer, monkeypatch):
+@pytest.fixture
+def keep_random_state():
+    """simple_evaluate seeds Python's, numpy's and torch's generators; later tests get theirs back."""
+    import random
+
+    import numpy as np
+
+    saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    yield
+    random.setstate(saved[0])
+    np.random.set_state(saved[1])
+    torch.set_rng_state(saved[2])
+
+
+def test_lm_eval_agrees_with_our_scorer(tiny, tokenizer, monkeypatch, keep_random_state):
     lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install -r requirements-eval.txt)")
     from lm_eval.tasks import TaskManager
 
