@@ -21,34 +21,35 @@ from torch.utils.data import Dataset
 from common.errors import DataError
 
 EXPECTED = 'each line must be a JSON object like {"text": "..."}'
-NEEDS_DATA = 'pass --data_path a .jsonl file with one {"text": "..."} object per line'
+NEEDS_TEXT = 'a .jsonl file with one {"text": "..."} object per line'
 
 
 # -----------------------------------------------------------------------------
 # reading and validating JSONL
 
-def open_data_file(path):
-    """Open a data file in binary mode, turning the usual mistakes into DataError."""
+def open_data_file(path, flag="--data_path"):
+    """Open a data file in binary mode, turning the usual mistakes into DataError (naming `flag`)."""
     path = Path(path)
     if not path.exists():
-        raise DataError(f"{path}: not found: pass --data_path an existing .jsonl file")
+        raise DataError(f"{path}: not found: pass {flag} an existing .jsonl file")
     if path.is_dir():
-        raise DataError(f"{path}: is a directory: pass --data_path a .jsonl file inside it")
+        raise DataError(f"{path}: is a directory: pass {flag} a .jsonl file inside it")
     try:
         return open(path, "rb")
     except OSError as e:
         raise DataError(f"{path}: cannot open ({e.strerror}): check the path and its permissions")
 
 
-def iter_raw_lines(path):
+def iter_raw_lines(path, flag="--data_path", needs=NEEDS_TEXT):
     """
     Yield (line_number, byte_offset, raw_bytes) for every non-blank line, streaming.
     Blank (whitespace-only) lines are skipped but still counted, so line numbers match
-    what an editor shows. Raises DataError if the file has no non-blank line at all.
+    what an editor shows. Raises DataError if the file has no non-blank line at all
+    (`flag` and `needs`: the flag that named the file and what it should hold, for the message).
     """
-    with open_data_file(path) as f:
+    with open_data_file(path, flag) as f:
         if os.fstat(f.fileno()).st_size == 0:
-            raise DataError(f"{path}: file is empty (0 bytes): {NEEDS_DATA}")
+            raise DataError(f"{path}: file is empty (0 bytes): pass {flag} {needs}")
         offset = 0
         found = False
         for line_number, raw in enumerate(f, start=1):
@@ -57,7 +58,7 @@ def iter_raw_lines(path):
                 yield line_number, offset, raw
             offset += len(raw)
     if not found:
-        raise DataError(f"{path}: contains only blank lines: {NEEDS_DATA}")
+        raise DataError(f"{path}: contains only blank lines: pass {flag} {needs}")
 
 
 def parse_line(raw, path, line_number):

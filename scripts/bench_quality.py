@@ -21,8 +21,10 @@ Each --variant NAME=FLAGS adds one more: b_defaults with those trainer flags on 
 
 Reports, for each variant, the training time (and the step) at which its val curve
 first falls to (a)'s final val loss (interpolated between validations) and the ratio
-to (a)'s, and its bits per byte at (a)'s time; writes the table, the raw rows (JSON)
-and a plot (val loss against seconds). On a shared machine seconds are noisy (s/step
+to (a)'s, its bits per byte at (a)'s time and the downstream accuracy of its final
+weights on the held-out multiple-choice task (the quick start's, dataset/tasks/;
+trainer/downstream.py; chance is 0.25); writes the table, the raw rows (JSON) and a
+plot (val loss against seconds). On a shared machine seconds are noisy (s/step
 shows the load each variant met); steps are not.
 """
 import json
@@ -33,12 +35,19 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from dataset.demo_corpus import DEMO_CORPUS  # noqa: E402
-from trainer.run_files import run_prefix  # noqa: E402
+from dataset.lm_dataset import load_tokenizer  # noqa: E402
+from model.weights import load_model  # noqa: E402
 from trainer.cli import OneLineArgumentParser  # noqa: E402
+from trainer.downstream import encode_task, evaluate_task, load_task  # noqa: E402
+from trainer.run_files import run_prefix  # noqa: E402
+
+DEFAULT_TASK = REPO_ROOT / "dataset" / "tasks" / "minimind_heldout.jsonl"  # cut from the demo corpus's split
 
 VARIANTS = {
     "a_minimind": ("jsonl", ["--dtype", "float32", "--learning_rate", "5e-4", "--warmup_steps", "0",
@@ -65,6 +74,9 @@ def parse_args(argv=None):
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--corpus", default=str(DEMO_CORPUS))
     p.add_argument("--out_dir", default=str(REPO_ROOT / "out" / "bench_quality"))
+    p.add_argument("--task", default=None, help="multiple-choice task .jsonl scored on each variant's final "
+                                                 "weights (default: the committed one on the demo corpus, else "
+                                                 "one built from --corpus's held-out documents)")
     p.add_argument("--plot", default=None, help="PNG path (default: OUT_DIR/val_loss_vs_time.png)")
     p.add_argument("--reuse", type=int, default=0, choices=[0, 1],
                    help="1: report a variant's run already in OUT_DIR (finished or stopped early) instead of training it")
@@ -103,6 +115,28 @@ def prepare_data(corpus: Path, data: Path) -> Path:
         subprocess.run([py, "scripts/prepare_data.py", "--data_path", str(data / f"{side}.jsonl"),
                         "--out_path", str(data / f"{side}.bin"), "--num_proc", "1"], **run)
     return data
+
+
+def task_file(args, data: Path) -> Path:
+    """--task, else the committed task where it was cut from this corpus, else one built like it."""
+    if args.task:
+        return Path(args.task)
+    if Path(args.corpus).resolve() == DEMO_CORPUS.resolve():
+        return DEFAULT_TASK
+    task = data / "task.jsonl"
+    if not task.exists():
+        subprocess.run([sys.executable, "scripts/build_eval_task.py", "--data_path", args.corpus, "--every", "25",
+                        "--out", str(task)], check=True, cwd=REPO_ROOT)
+    return task
+
+
+def final_accuracy(run_dir: Path, args, items):
+    """DownstreamResult of a run's final weights, or None for a run stopped before it saved them."""
+    pth = run_dir / f"{run_prefix('bench', args.hidden_size, False)}.pth"
+    if not pth.exists():
+        return None
+    model, _ = load_model(pth)  # its shape from the config the trainer wrote beside it
+    return evaluate_task(model, items)
 
 
 def read_val(metrics: Path) -> list[dict]:
@@ -159,7 +193,7 @@ def at_time(val: list[dict], seconds: float, key: str) -> float:
     return points[-1][1]
 
 
-def report(curves: dict, args) -> list[str]:
+def report(curves: dict, args, accuracy: dict | None = None) -> list[str]:
     ref = curves["a_minimind"]
     target, t_ref = ref[-1]["val_loss"], ref[-1]["train_s"]
     bpb_ref = ref[-1]["val_bpb"]
@@ -167,15 +201,18 @@ def report(curves: dict, args) -> list[str]:
              f"batch {args.batch_size}, {args.steps} steps per variant, {args.threads} threads, val every "
              f"{args.eval_every} steps on the held-out val.bin; (a)'s final val loss {target:.4f} at {t_ref:.0f} s", "",
              "| variant | steps run | s/step | last val loss | last bits/byte | time to (a)'s final loss | vs (a) "
-             "| steps to it | vs (a) | bits/byte at (a)'s time | vs (a) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| steps to it | vs (a) | bits/byte at (a)'s time | vs (a) | task acc (chance 0.25) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, val in curves.items():
         t, steps = first_reach(val, target, "train_s"), first_reach(val, target, "step")
         bpb = at_time(val, t_ref, "val_bpb")
         reach = f"{t:.0f} s | 1/{t_ref / t:.1f}" if t else "not reached | -"
         reach_steps = f"{steps:.0f} | 1/{args.steps / steps:.1f}" if steps else "- | -"
+        acc = (accuracy or {}).get(name)
+        acc_cell = f"{acc.acc:.3f} ± {acc.acc_stderr:.3f}" if acc else "-"
         lines.append(f"| {name} | {val[-1]['step']} | {val[-1]['train_s'] / val[-1]['step']:.2f} | {val[-1]['val_loss']:.4f} | "
-                     f"{val[-1]['val_bpb']:.4f} | {reach} | {reach_steps} | {bpb:.4f} | {(bpb / bpb_ref - 1) * 100:+.1f}% |")
+                     f"{val[-1]['val_bpb']:.4f} | {reach} | {reach_steps} | {bpb:.4f} | {(bpb / bpb_ref - 1) * 100:+.1f}% | "
+                     f"{acc_cell} |")
     return lines
 
 
@@ -203,10 +240,15 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     data = prepare_data(Path(args.corpus), out / "data")
     curves = {name: train(name, kind, flags, args, data, out) for name, (kind, flags) in variant_table(args).items()}
-    lines = report(curves, args)
+    torch.set_num_threads(args.threads)
+    items = encode_task(load_tokenizer(REPO_ROOT / "model"), load_task(task_file(args, data)))
+    accuracy = {name: final_accuracy(out / name, args, items) for name in curves}
+    lines = report(curves, args, accuracy)
     print("\n".join(lines))
     (out / "results.md").write_text("\n".join(lines) + "\n")
     (out / "results.json").write_text(json.dumps(curves, indent=1))
+    (out / "accuracy.json").write_text(json.dumps({name: acc and vars(acc) for name, acc in accuracy.items()},
+                                                  indent=1))
     png = Path(args.plot) if args.plot else out / "val_loss_vs_time.png"
     png.parent.mkdir(parents=True, exist_ok=True)
     plot(curves, png, f"demo corpus, hidden {args.hidden_size} x {args.num_hidden_layers}, {args.threads} CPU threads")

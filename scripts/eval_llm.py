@@ -4,12 +4,17 @@
     python scripts/eval_llm.py --hidden_size 768                         # interactive, in a terminal
     python scripts/eval_llm.py --hf_dir hf_out --prompt "..." --prompt "..." --greedy
     python scripts/eval_llm.py --weight_path checkpoints/pretrain_512_resume.pth --ppl_data val.jsonl
+    python scripts/eval_llm.py --weight_path out/quickstart/quickstart_128.pth --task dataset/tasks/minimind_heldout.jsonl
 
 The weights may be a .pth or .safetensors (the config beside it, x.pth -> x.json, which the
 trainer writes, describes the model; without one, the shape flags do), a resume checkpoint
 or a folder written by convert_model.py (a stored config wins; flags passed must agree).
 A pretrained model continues text, so a prompt is fed as BOS + prompt, the same layout
 as the training samples.
+
+--task scores a multiple-choice task file (trainer/downstream.py: lm-evaluation-harness's
+acc and acc_norm, with their standard errors) and prints them as the last line:
+`acc=0.XXXX acc_norm=0.XXXX acc_stderr=0.XXXX acc_norm_stderr=0.XXXX`.
 """
 import math
 import sys
@@ -27,6 +32,7 @@ from model.shape_flags import SHAPE_FLAGS, flag_default
 from model.weights import load_model
 from trainer.cli import OneLineArgumentParser
 from trainer.device import resolve_device
+from trainer.downstream import encode_task, evaluate_task, load_task
 from trainer.run_files import default_weight_path
 
 
@@ -162,6 +168,10 @@ def parse_args(argv=None):
     p.add_argument("--ppl_data", help="held-out .jsonl ({\"text\": ...} per line) to measure perplexity on")
     p.add_argument("--ppl_max_docs", type=int, default=None, help="only the first N documents")
     p.add_argument("--max_seq_len", type=int, default=512, help="truncate --ppl_data documents to this many tokens")
+    p.add_argument("--task", help="multiple-choice task .jsonl (dataset/tasks/) to measure accuracy on")
+    p.add_argument("--task_bos", type=int, choices=(0, 1), default=1,
+                   help="1: contexts read from BOS (lm_eval's add_bos_token=True); 0: without (lm_eval's default)")
+    p.add_argument("--batch_size", type=int, default=32, help="rows (context + one choice) per forward pass")
     args = p.parse_args(argv)
     if args.weight_path and args.hf_dir:
         p.error("pass --weight_path or --hf_dir, not both")
@@ -169,6 +179,10 @@ def parse_args(argv=None):
         p.error(f"--use_moe must be 0 or 1, got {args.use_moe}")
     if args.ppl_data and not Path(args.ppl_data).is_file():
         p.error(f"--ppl_data {args.ppl_data}: file not found: pass an existing .jsonl file")
+    if args.task and not Path(args.task).is_file():
+        p.error(f"--task {args.task}: file not found: pass an existing task .jsonl (dataset/tasks/)")
+    if args.batch_size < 1:
+        p.error(f"--batch_size must be at least 1, got {args.batch_size}")
     if args.ppl_max_docs is not None and args.ppl_max_docs < 1:
         p.error(f"--ppl_max_docs must be at least 1, got {args.ppl_max_docs}")
     if args.max_seq_len < 2:
@@ -179,9 +193,15 @@ def parse_args(argv=None):
         p.error(f"--temperature must be a finite number >= 0 (0 is greedy), got {args.temperature}")
     if not 0 < args.top_p <= 1:
         p.error(f"--top_p must be in (0, 1] (1 turns it off), got {args.top_p}")
-    if not (args.prompt or args.ppl_data or sys.stdin.isatty()):
-        p.error("nothing to do: pass --prompt TEXT or --ppl_data FILE.jsonl (or run in a terminal to chat)")
+    if not (args.prompt or args.ppl_data or args.task or sys.stdin.isatty()):
+        p.error("nothing to do: pass --prompt TEXT, --ppl_data FILE.jsonl or --task FILE.jsonl "
+                "(or run in a terminal to chat)")
     return args
+
+
+def chance_level(items):
+    """The accuracy of guessing: the mean over items of 1 / number of choices."""
+    return sum(1 / len(item.choices) for item in items) / len(items)
 
 
 def tokenizer_for(args):
@@ -198,6 +218,7 @@ def main(argv=None):
     args = parse_args(argv)
     device = resolve_device(args.device)
     tokenizer = tokenizer_for(args)
+    items = load_task(args.task, "--task") if args.task else None  # a bad task file fails before the model loads
     flags = {name: getattr(args, name) for name in SHAPE_FLAGS}
     weight_path = args.weight_path
     if weight_path is None and args.hf_dir is None:
@@ -214,7 +235,12 @@ def main(argv=None):
               f"bits_per_byte={bpb:.6f}")
     for prompt in args.prompt:
         generate_text(model, tokenizer, prompt, args)
-    if not args.prompt and not args.ppl_data:
+    if args.task:  # last, so that its line is the output's last line
+        result = evaluate_task(model, encode_task(tokenizer, items, bool(args.task_bos)), device,
+                               batch_size=args.batch_size)
+        print(f"task={args.task} items={result.n} chance={chance_level(items):.4f}")
+        print(result.line())
+    if not args.prompt and not args.ppl_data and not args.task:
         print(f"[{source}]")
         interactive(model, tokenizer, args)
 

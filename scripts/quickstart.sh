@@ -8,8 +8,9 @@
 #
 # Stages: 1 demo corpus (stdlib docstrings, built once), 2 train/val split + packing +
 # the unigram baseline, 3 pre-training with torchrun (DDP over 2 CPU processes),
-# 4 validation perplexity and a generated sample, 5 the loss plot, 6 export to a folder
-# that stock transformers loads. The last line is a one-line summary of the run.
+# 4 validation perplexity, downstream accuracy on a held-out multiple-choice task and a
+# generated sample, 5 the loss plot, 6 export to a folder that stock transformers loads.
+# The last line is a one-line summary of the run.
 #
 # Every knob is an environment variable (QS_*) so that a test can run this very script
 # at a tiny size; the defaults are sized to finish in 2-7 minutes on 2 cores (about 2 on a
@@ -47,6 +48,11 @@ WARMUP="${QS_WARMUP:-10}"
 EVAL_INTERVAL="${QS_EVAL_INTERVAL:-25}"  # a val point every N steps, for the plot
 VAL_EVERY="${QS_VAL_EVERY:-25}"    # every N-th document is held out (4% of the corpus)
 PROMPT="${QS_PROMPT:-Return the}"
+# The multiple-choice task of stage 4: on the demo corpus the committed one, cut from the
+# documents this split holds out (scripts/build_eval_task.py); on another corpus one built
+# the same way from its own held-out documents, in stage 2.
+DEFAULT_TASK="$REPO_ROOT/dataset/tasks/minimind_heldout.jsonl"
+TASK="${QS_TASK:+$(abspath "$QS_TASK")}"
 MAX_NEW_TOKENS="${QS_MAX_NEW_TOKENS:-60}"
 # No QS_PORT: torchrun --standalone picks a free port itself, so two quick starts (or a
 # quick start next to another job) cannot collide on 29500.
@@ -84,6 +90,12 @@ stage 2/6 "held-out split, packing, unigram baseline"
 # TQDM_DISABLE: no progress bars for a few seconds' work (they clutter a log).
 TQDM_DISABLE=1 "$PYTHON" scripts/prepare_data.py --data_path "$DATA/train.jsonl" --out_path "$DATA/train.bin"
 TQDM_DISABLE=1 "$PYTHON" scripts/prepare_data.py --data_path "$DATA/val.jsonl" --out_path "$DATA/val.bin" --num_proc 1
+if [[ -z "$TASK" && "$CORPUS" == "$DEFAULT_CORPUS" && "$VAL_EVERY" == 25 ]]; then
+    TASK="$DEFAULT_TASK"
+elif [[ -z "$TASK" ]]; then
+    TASK="$DATA/task.jsonl"
+    "$PYTHON" scripts/build_eval_task.py --data_path "$CORPUS" --every "$VAL_EVERY" --out "$TASK"
+fi
 "$PYTHON" scripts/unigram_baseline.py --train_bin "$DATA/train.bin" --val_bin "$DATA/val.bin" \
     | tee "$LOGS/unigram.txt"
 BASELINE="$(value loss "$LOGS/unigram.txt")"
@@ -105,12 +117,19 @@ OMP_NUM_THREADS=1 "$TORCHRUN" "${RDZV[@]}" --nproc_per_node="$NPROC" trainer/tra
 # (--eval_batches 1000: the whole val set at every evaluation, not a slice of it;
 #  --save_interval $STEPS: weights and a resume checkpoint once, at the end.)
 
-stage 4/6 "validation perplexity (held-out documents, one at a time from BOS), then a sample \
-(temperature 0.85, top-p 0.85, seed 42)"
-# One process for both: loading torch and the model costs more than either job here.
+stage 4/6 "validation perplexity (held-out documents, one at a time from BOS), a sample \
+(temperature 0.85, top-p 0.85, seed 42), downstream accuracy ($(basename "$TASK"))"
+# One process for all three: loading torch and the model costs more than any job here.
 # --max_seq_len $SEQ: score documents at the context length the model was trained on.
+# The task's accuracy line comes last: acc=... acc_norm=... acc_stderr=... acc_norm_stderr=...
 "$PYTHON" scripts/eval_llm.py --weight_path "$PTH" --device cpu --ppl_data "$DATA/val.jsonl" \
-    --max_seq_len "$SEQ" --prompt "$PROMPT" --max_new_tokens "$MAX_NEW_TOKENS" | tee "$LOGS/eval.txt"
+    --max_seq_len "$SEQ" --prompt "$PROMPT" --max_new_tokens "$MAX_NEW_TOKENS" --task "$TASK" | tee "$LOGS/eval.txt"
+# Against guessing: how many standard errors above the chance level acc is.
+DOWNSTREAM="$(awk '/^(task|acc)=/ { for (i = 1; i <= NF; i++) { split($i, kv, "="); v[kv[1]] = kv[2] } }
+    END { printf "downstream: acc %.4f ± %.4f, acc_norm %.4f ± %.4f on %d items, chance %.4f: acc - chance = %.1f stderr\n",
+          v["acc"], v["acc_stderr"], v["acc_norm"], v["acc_norm_stderr"], v["items"], v["chance"],
+          (v["acc_stderr"] > 0 ? (v["acc"] - v["chance"]) / v["acc_stderr"] : 0) }' "$LOGS/eval.txt")"
+echo "$DOWNSTREAM"
 
 stage 5/6 "loss plot"
 "$PYTHON" scripts/plot_loss.py --metrics "$METRICS" --out "$PLOT"
@@ -130,11 +149,15 @@ val = [r for r in rows if r.get("kind") == "val"][-1]
 print(train["step"], format(train["loss"], ".4f"), format(val["val_loss"], ".4f"), format(val["val_bpb"], ".4f"))' "$METRICS")"
 read -r LAST_STEP TRAIN_LOSS VAL_LOSS VAL_BPB <<< "$FINAL"
 PPL="$(value ppl "$LOGS/eval.txt")"
+ACC="$(value acc "$LOGS/eval.txt")"
+ACC_NORM="$(value acc_norm "$LOGS/eval.txt")"
+CHANCE="$(value chance "$LOGS/eval.txt")"
 BEATS="$(awk -v v="$VAL_LOSS" -v b="$BASELINE" 'BEGIN { print (v < b ? "yes" : "no") }')"
 
 printf '\noutputs:\n'
 printf '  %-9s %s\n' data "$DATA/{train,val}.{jsonl,bin}" weights "$PTH" metrics "$METRICS" \
-    plot "$PLOT" hf "$HF_DIR" logs "$LOGS/"
-printf '\nquickstart summary: steps=%s final_train_loss=%s final_val_loss=%s unigram_baseline=%s %s val_ppl=%s %s %s\n' \
+    plot "$PLOT" hf "$HF_DIR" task "$TASK" logs "$LOGS/"
+printf '\n%s\n' "$DOWNSTREAM"
+printf '\nquickstart summary: steps=%s final_train_loss=%s final_val_loss=%s unigram_baseline=%s %s val_ppl=%s %s %s %s\n' \
     "$LAST_STEP" "$TRAIN_LOSS" "$VAL_LOSS" "$BASELINE" "beats_unigram=$BEATS" "$PPL" "wall=${SECONDS}s" \
-    "val_bits_per_byte=$VAL_BPB"
+    "val_bits_per_byte=$VAL_BPB" "acc=$ACC acc_norm=$ACC_NORM chance=$CHANCE"

@@ -24,6 +24,11 @@ from common.errors import DataError, report_user_errors  # noqa: E402
 from dataset.lm_dataset import iter_raw_lines  # noqa: E402
 
 
+def is_held_out(index, every):
+    """Whether document `index` (non-blank lines counted from 0) goes to validation."""
+    return index % every == every - 1
+
+
 def split_corpus(data_path, train_out, val_out, every=50):
     """Write documents i with i % every == every - 1 to val_out, the others to train_out.
 
@@ -39,7 +44,7 @@ def split_corpus(data_path, train_out, val_out, every=50):
             path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp[train_out], "wb") as train_f, open(tmp[val_out], "wb") as val_f:
             for i, (_, _, raw) in enumerate(iter_raw_lines(data_path)):
-                out, path = (val_f, val_out) if i % every == every - 1 else (train_f, train_out)
+                out, path = (val_f, val_out) if is_held_out(i, every) else (train_f, train_out)
                 out.write(raw if raw.endswith(b"\n") else raw + b"\n")
                 counts[path] += 1
         if counts[val_out] == 0:

@@ -49,6 +49,8 @@ FLAGS = {
     "seq_len_too_long": (["--max_seq_len", "40000"],
                          "--max_seq_len 40000 exceeds the model's max_position_embeddings 32768"),
     "vocab_smaller_than_tokenizer": (["--vocab_size", "1000"], "has 6400 tokens but the model's --vocab_size is 1000"),
+    "eval_task_missing": (["--eval_task", "/nonexistent/task.jsonl"],
+                          "/nonexistent/task.jsonl: not found: pass --eval_task an existing .jsonl file"),
 }
 
 

@@ -2,7 +2,8 @@
 (the benchmark's training runs are not tests)."""
 import pytest
 
-from scripts.bench_quality import at_time, first_reach, parse_args, variant_table
+from scripts.bench_quality import at_time, first_reach, parse_args, report, variant_table
+from trainer.downstream import DownstreamResult
 
 
 def test_a_variant_flag_is_b_defaults_plus_its_flags_in_order():
@@ -37,3 +38,16 @@ def test_time_to_a_loss_is_interpolated_between_validations():
 def test_bits_per_byte_at_a_time_past_the_run_is_its_last_value():
     assert at_time(CURVE, 7.5, "val_bpb") == pytest.approx(1.9)
     assert at_time(CURVE, 100.0, "val_bpb") == 1.8
+
+
+def test_the_table_has_each_variants_final_task_accuracy():
+    args = parse_args(["--variants", "a_minimind,b_defaults", "--steps", "20"])
+    curves = {"a_minimind": CURVE, "b_defaults": CURVE}
+    accuracy = {"a_minimind": DownstreamResult.from_counts([400, 174, 170]), "b_defaults": None}
+    lines = report(curves, args, accuracy)
+    header, rule, row_a, row_b = lines[2:6]
+    assert header.endswith("| task acc (chance 0.25) |") and rule.count("|") == header.count("|")
+    # 174 / 400 = 0.435, sample-std standard error sqrt(0.435 * 0.565 / 399) = 0.0248
+    assert row_a.startswith("| a_minimind |") and row_a.endswith("| 0.435 ± 0.025 |")
+    assert row_b.startswith("| b_defaults |") and row_b.endswith("| - |")  # no final weights to score
+    assert row_a.count("|") == header.count("|")

@@ -29,7 +29,7 @@ QUICKSTART = REPO_ROOT / "scripts" / "quickstart.sh"
 
 SUMMARY = re.compile(r"quickstart summary: steps=(\d+) final_train_loss=(\S+) final_val_loss=(\S+) "
                      r"unigram_baseline=(\S+) beats_unigram=(yes|no) val_ppl=(\S+) wall=(\d+)s "
-                     r"val_bits_per_byte=(\S+)")
+                     r"val_bits_per_byte=(\S+) acc=(\S+) acc_norm=(\S+) chance=(\S+)")
 
 
 def write_jsonl(path, texts):
@@ -123,6 +123,18 @@ def test_quickstart_runs_every_stage(tmp_path):
     assert beats == ("yes" if float(val_loss) < float(baseline) else "no")
     assert ppl == ppl_line[2]
     assert float(summary[8]) == pytest.approx(val[-1]["val_bpb"], abs=1e-4)
+
+    # Downstream accuracy: on a corpus of its own the script builds the task from that
+    # corpus's held-out documents, and scores it with eval_llm.py --task.
+    task = out / "data" / "task.jsonl"
+    assert task.is_file() and re.search(rf"^ +task +{re.escape(str(task))}$", log, re.M), log[-4000:]
+    acc_line = re.search(r"^acc=(\S+) acc_norm=(\S+) acc_stderr=(\S+) acc_norm_stderr=(\S+)$", log, re.M)
+    assert acc_line, log[-4000:]
+    assert (summary[9], summary[10]) == (acc_line[1], acc_line[2]) and summary[11] == "0.2500"
+    assert 0 <= float(acc_line[1]) <= 1 and 0 <= float(acc_line[2]) <= 1
+    n_items = len(task.read_text().splitlines())
+    assert re.search(rf"^downstream: acc {acc_line[1]} ± {acc_line[3]}, acc_norm {acc_line[2]} ± {acc_line[4]} "
+                     rf"on {n_items} items, chance 0\.2500: acc - chance = -?[\d.]+ stderr$", log, re.M), log[-4000:]
 
 
 # -----------------------------------------------------------------------------

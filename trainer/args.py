@@ -94,6 +94,9 @@ def _data_flags(p):
                       help="hold-out share of the training data (its tail) when no --val_data_path")
     data.add_argument("--eval_interval", type=int, default=100, help="validate every N steps (0: only at the end)")
     data.add_argument("--eval_batches", type=int, default=8, help="micro-batches per process per validation")
+    data.add_argument("--eval_task", default=None,
+                      help="a multiple-choice task (.jsonl, as dataset/tasks/ holds) scored with validation: "
+                           "acc and acc_norm in the log, the metrics file and wandb")
 
 
 def _system_flags(p):

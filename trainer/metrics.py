@@ -222,11 +222,20 @@ class RunLogger:
                       f"aux {aux:.4f} lr {lr_text} tok/s {tok_s:,.0f} (non-pad {real_tok_s:,.0f}){mfu_text} "
                       f"mem {memory:,.0f}MiB eta {self.eta(step)}")
 
-    def log_val(self, step, tokens_seen, val_loss, val_bpb):
-        self.log({"kind": "val", "step": step, "tokens_seen": tokens_seen, "val_loss": val_loss, "val_bpb": val_bpb,
-                  "train_s": self.clock.training_seconds()},
-                 f"step {step}: val_loss {val_loss:.4f} (ppl {math.exp(min(val_loss, 50)):.2f}) "
-                 f"bits/byte {val_bpb:.4f}")
+    def log_val(self, step: int, tokens_seen: int, val=None, task=None):
+        """A validation row and line: `val` (loss, bits per byte) and/or `task`, a DownstreamResult."""
+        row, parts = {"kind": "val", "step": step, "tokens_seen": tokens_seen}, []
+        if val is not None:
+            val_loss, val_bpb = val
+            row.update(val_loss=val_loss, val_bpb=val_bpb)
+            parts.append(f"val_loss {val_loss:.4f} (ppl {math.exp(min(val_loss, 50)):.2f}) bits/byte {val_bpb:.4f}")
+        if task is not None:
+            row.update(task_acc=task.acc, task_acc_norm=task.acc_norm, task_acc_stderr=task.acc_stderr,
+                       task_acc_norm_stderr=task.acc_norm_stderr)
+            parts.append(f"task acc {task.acc:.4f} ± {task.acc_stderr:.4f} acc_norm {task.acc_norm:.4f} "
+                         f"({task.n} items)")
+        row["train_s"] = self.clock.training_seconds()
+        self.log(row, f"step {step}: " + " ".join(parts))
 
     def eta(self, step: int) -> str:
         done = step - self.start_step

@@ -30,6 +30,7 @@ from trainer.data import (  # noqa: E402
 )
 from trainer.device import configure_cuda, resolve_device  # noqa: E402
 from trainer.distributed import all_reduce_sum, barrier, cleanup_distributed, exit_peer_lost, fail, peer_lost  # noqa: E402
+from trainer.downstream import encode_task, evaluate_task_in_group, load_task  # noqa: E402
 from trainer.hooks import load_step_hooks  # noqa: E402
 from trainer.metrics import RunLogger, Throughput, TrainClock, device_peak_flops, flops_per_token  # noqa: E402
 from trainer.optim import OptimConfig, build_optimizer, describe, peak_lrs, set_lr  # noqa: E402
@@ -62,6 +63,7 @@ def train(args, env) -> int:
     check_model_fits(args, tokenizer, config)
     ensure_data(args, env.local_rank)
     data = build_data(args, tokenizer, config.vocab_size)
+    task = encode_task(tokenizer, load_task(args.eval_task)) if args.eval_task else None  # a bad file stops here
     plan = plan_steps(args, len(data.train), world_size)
     total_steps = plan.total_steps
 
@@ -131,7 +133,8 @@ def train(args, env) -> int:
 
             last = step == total_steps
             log_now = step % args.log_interval == 0 or last
-            eval_now = val_loader is not None and (last or (args.eval_interval and step % args.eval_interval == 0))
+            eval_now = (val_loader or task) is not None and (last or (args.eval_interval and
+                                                                       step % args.eval_interval == 0))
             save_now = saves.due(step, result.save) or last or result.stop
             if log_now or eval_now or save_now:  # steps that read the device anyway
                 new_tokens, steps_done = totals.take_tokens()
@@ -143,12 +146,16 @@ def train(args, env) -> int:
                 mfu = flops_token * tok_s / world_size / peak_flops if peak_flops else None
                 log.log_train(step, epoch, loss, aux, lrs, state.tokens_seen, tok_s, real_tok_s, mfu)
             with clock.paused(eval_now or save_now):  # tokens/s, MFU and train_s count training time only
-                val = evaluate(parts.net, val_loader, autocast, env.device, byte_lengths) if eval_now else None
+                if eval_now:
+                    val = None if val_loader is None else evaluate(parts.net, val_loader, autocast, env.device,
+                                                                   byte_lengths)
+                    scores = None if task is None else evaluate_task_in_group(parts.net, task, env.device, autocast,
+                                                                              rank, world_size, settings.sharded)
                 if save_now:
                     checkpoints.save(step)
                     saves.saved()
-            if val is not None:
-                log.log_val(step, state.tokens_seen, *val)
+            if eval_now:
+                log.log_val(step, state.tokens_seen, val, scores)
             if result.stop:
                 Logger(f"preempted: saved step {step} to {args.checkpoint_dir}; resume with --from_resume 1")
                 log.close()
