@@ -189,7 +189,7 @@ def _orthogonalise_here(updates, stacks, run, dtype) -> list:
 
 def _orthogonalise_ddp(updates, stacks, run, dtype, pg) -> list:
     """Each rank orthogonalises its share of every stack; one all-gather hands every rank all of them.
-    Every rank computes every matrix's rows of that gather in the same way, so results are bitwise equal."""
+    Every rank then applies the very same bits to its replica, so the replicas stay bitwise equal."""
     world, rank = dist.get_world_size(pg), dist.get_rank(pg)
     mine = [run(_stack(updates, s, s.owned(rank, world), dtype, pad_to=s.per_rank(world))) for s in stacks]
     send = torch.cat([m.reshape(-1) for m in mine])
