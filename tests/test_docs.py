@@ -30,3 +30,9 @@ def test_every_linked_file_exists():
     for path, text in [(REPO_ROOT / "README.md", README), *DOCS.items()]:
         for target in re.findall(r"\]\((?!https?://|#)([^)#]+)", text):
             assert (path.parent / target).exists(), f"{path.name} links to {target}, which does not exist"
+
+
+def test_no_placeholder_is_left_unfilled():
+    for path, text in [(REPO_ROOT / "README.md", README), *DOCS.items()]:
+        left = re.findall(r"\{\{[A-Z_]+\}\}", text)
+        assert not left, f"{path.name} still holds {left}: fill them with measured figures"
