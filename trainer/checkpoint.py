@@ -67,7 +67,8 @@ class CheckpointManager:
     def save(self, global_step: int) -> str:
         """The inference weights and a resume checkpoint at `global_step`; returns its path."""
         # A checkpoint of NaNs would push a good one out of the rotation: refuse to write it.
-        if not self.model.finite():
+        finite = self.model.finite()  # a collective: a statement of its own, reached by every rank
+        if not finite:
             raise RuntimeError("model weights are not finite; refusing to save a checkpoint")
         if self.weights_path:
             self.model.export(self.weights_path)

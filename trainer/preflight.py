@@ -68,8 +68,14 @@ def check_output_dirs(save_dir: str, checkpoint_dir: str, sharded: bool):
     if is_main_process():
         problem = _writable_problem("--save_dir", save_dir) or _writable_problem("--checkpoint_dir", checkpoint_dir)
     if sharded:
-        problem = _agree(problem) or _agree(_writable_problem("--checkpoint_dir", checkpoint_dir))
-        problem = problem or check_shared(checkpoint_dir)
+        # Each check runs only when the ones before found nothing; _agree gives every rank the
+        # same answer, so every rank skips, or joins, the next check's collectives alike.
+        problem = _agree(problem)
+        if not problem:
+            problem = _writable_problem("--checkpoint_dir", checkpoint_dir)
+            problem = _agree(problem)
+        if not problem:
+            problem = check_shared(checkpoint_dir)
     else:
         problem = broadcast_from_main(problem)
     if problem:

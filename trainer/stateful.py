@@ -95,7 +95,8 @@ class RNGState:
 
     def state_dict(self) -> dict:
         """Every rank's state, gathered (a collective): rank 0 is the one that writes them."""
-        return {"rng": self.collectives.all_gather(capture_rng_state())}
+        gathered = self.collectives.all_gather(capture_rng_state())
+        return {"rng": gathered}
 
     def load_state_dict(self, saved: dict):
         if len(saved["rng"]) == self.collectives.world_size:

@@ -78,7 +78,10 @@ def train(args, env) -> int:
     checkpoints = CheckpointManager(args.checkpoint_dir, prefix, config.to_dict(), ModelState(model, optimizer),
                                     {"train_state": state, "scaler": ScalerState(parts.scaler), "rng": RNGState()},
                                     args.keep_last, settings.sharded, weights_path(args.save_dir, prefix))
-    if args.from_resume and (saved := checkpoints.resume()) is not None:
+    saved = None
+    if args.from_resume:  # the same flag on every rank: all of them join resume()'s broadcasts, or none does
+        saved = checkpoints.resume()
+    if saved is not None:
         Logger(f"resumed from {saved['path']} at step {state.global_step}/{total_steps}")
         if state.global_step >= total_steps:
             # Saving now would re-label the checkpoint in this run's step units; leave it be.
@@ -147,10 +150,12 @@ def train(args, env) -> int:
                 log.log_train(step, epoch, loss, aux, lrs, state.tokens_seen, tok_s, real_tok_s, mfu)
             with clock.paused(eval_now or save_now):  # tokens/s, MFU and train_s count training time only
                 if eval_now:
-                    val = None if val_loader is None else evaluate(parts.net, val_loader, autocast, env.device,
-                                                                   byte_lengths)
-                    scores = None if task is None else evaluate_task_in_group(parts.net, task, env.device, autocast,
-                                                                              rank, world_size, settings.sharded)
+                    val, scores = None, None
+                    if val_loader is not None:
+                        val = evaluate(parts.net, val_loader, autocast, env.device, byte_lengths)
+                    if task is not None:
+                        scores = evaluate_task_in_group(parts.net, task, env.device, autocast, rank, world_size,
+                                                        settings.sharded)
                 if save_now:
                     checkpoints.save(step)
                     saves.saved()
