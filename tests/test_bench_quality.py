@@ -1,8 +1,13 @@
 """scripts/bench_quality.py's variants and its report, on hand-made validation curves
 (the benchmark's training runs are not tests)."""
+import re
+import shlex
+
 import pytest
 
-from scripts.bench_quality import at_time, first_reach, parse_args, report, variant_table
+from scripts.bench_quality import VARIANTS, at_time, first_reach, parse_args, report, variant_table
+from scripts.launching import REPO_ROOT
+from trainer.args import parse_args as trainer_args
 from trainer.downstream import DownstreamResult
 
 
@@ -13,6 +18,20 @@ def test_a_variant_flag_is_b_defaults_plus_its_flags_in_order():
     assert list(table) == ["a_minimind", "c_adamw", "muon_x2", "plain"]
     assert table["muon_x2"] == ("bin", ["--muon_lr", "0.04", "--warmup_steps", "30"])
     assert table["a_minimind"][0] == "jsonl"
+
+
+def test_a_minimind_is_the_readmes_recipe_line_on_padded_jsonl():
+    """(a) claims to be MiniMind's recipe; the README's "Flags" section says what that is. A flag
+    left out (as --adam_betas 0.9,0.999 once was) would benchmark another recipe under its name."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    block = re.search(r"MiniMind's exact recipe is one set of flags away:\s*```bash\n(.*?)```", readme, re.S)
+    assert block, "the README's recipe block moved: update this test"
+    recipe = shlex.split(block.group(1).replace("\\\n", " "), comments=True)
+    kind, flags = VARIANTS["a_minimind"]
+    assert kind == "jsonl"  # MiniMind's padded path
+    assert flags == recipe
+    parsed = trainer_args(["--data_path", "x.jsonl", *flags])  # and the trainer reads it as MiniMind's AdamW
+    assert (parsed.optimizer, parsed.param_groups, parsed.adam_betas) == ("adamw", "single", (0.9, 0.999))
 
 
 @pytest.mark.parametrize("bad", ["no_equals", "=--seed 1", "b_defaults=--seed 1", "a/b=--seed 1"])
