@@ -81,6 +81,7 @@ class ThreadJob:
 
 class FakeModel:
     """The model part without a model: fixed weights, and what a resume gave it."""
+    keys = ModelState.keys
 
     def __init__(self, value: float = 1.0):
         self.weights, self.loaded = {"w": torch.full((4, 4), value)}, None
@@ -151,6 +152,28 @@ def test_an_unverifiable_newest_is_skipped_and_all_unusable_stops(tmp_path, caps
         manager(tmp_path).latest()
 
 
+@pytest.mark.parametrize("left_out", ["scaler", "rng"])
+def test_a_newest_checkpoint_without_one_of_the_parts_gives_way_to_the_one_before(tmp_path, capsys, left_out):
+    """A checkpoint that lacks the entry of one of this run's parts (written by a version
+    without that part) is skipped like a damaged one, in one line, and the one before resumes."""
+    rank = ThreadRank(ThreadJob(1), 0)
+
+    def parts(state, *left):
+        every = {"train_state": state, "scaler": ScalerState(torch.amp.GradScaler("cpu", enabled=False)),
+                 "rng": RNGState(rank)}
+        return {name: part for name, part in every.items() if name not in left}
+
+    manager(tmp_path, rank, parts=parts(TrainState(plan(), 2, 200))).save(2)
+    manager(tmp_path, rank, parts=parts(TrainState(plan(), 4, 400), left_out)).save(4)
+    capsys.readouterr()
+    state = TrainState(plan())
+    saved = manager(tmp_path, rank, parts=parts(state)).resume()
+    assert saved["path"] == step_path(str(tmp_path), PREFIX, 2) and state.global_step == 2
+    newest = step_path(str(tmp_path), PREFIX, 4)
+    assert capsys.readouterr().out.splitlines() == \
+        [f"skipping checkpoint {newest}: not a {FORMAT} checkpoint (missing ['{left_out}'])"]
+
+
 def test_no_checkpoint_starts_fresh_but_another_shape_is_named(tmp_path):
     assert manager(tmp_path / "empty").resume() is None
     save_at(tmp_path, 2)
@@ -174,6 +197,8 @@ def test_non_finite_weights_are_never_saved(tmp_path):
 def test_a_part_saves_and_loads_a_field_of_its_own(tmp_path):
     """Adding a field is one edit, in the part that owns it: the manager carries any part."""
     class Curriculum:
+        keys = ("curriculum_stage",)
+
         def __init__(self, stage=0):
             self.stage = stage
 

@@ -4,7 +4,8 @@ what a checkpoint holds, where it lies and which one a resume takes.
 A checkpoint is one dict: {"format": FORMAT, "model_config": ...} plus what each Stateful
 part of the run adds (trainer/stateful.py: "model", "optimizer", "scaler", "rng"; and
 trainer/train_state.py's TrainState: "global_step", "tokens_seen", "world_size", the data
-position, ...). A part that gains a field saves and loads it itself; nothing here changes.
+position, ...). A part that gains a field saves and loads it itself, and names it in its
+`keys` if it cannot load without it; nothing here changes.
 
 Layout in --checkpoint_dir, for the run prefix `{save_weight}_{hidden}[_moe]`:
 
@@ -38,10 +39,10 @@ import torch
 from common.atomic import atomic_torch_save, atomic_write_text
 from common.errors import UserError
 from trainer.distributed import TORCH_COLLECTIVES, Logger
+from trainer.stateful import ModelState
+from trainer.train_state import TrainState
 
 FORMAT = "minimind-resume-v1"
-WEIGHT_KEYS = ("model", "optimizer")  # inside the .pth; a .dcp folder holds them as shards
-RECORD_KEYS = ("global_step", "tokens_seen", "world_size")  # what choosing the newest needs, beside each file
 TRAINER_STATE = "trainer_state.pt"
 # Architecture fields a resumed run must agree on.
 CONFIG_KEYS = ("hidden_size", "num_hidden_layers", "use_moe", "vocab_size",
@@ -52,7 +53,8 @@ class CheckpointManager:
     """Saves and resumes one run's checkpoints in `folder`, from and into its parts.
 
     model: trainer/stateful.py's ModelState (the weights and optimizer state; under `sharded`
-    every rank writes its shards); parts: the other Stateful parts, in load order.
+    every rank writes its shards); parts: the other Stateful parts, in load order. A checkpoint
+    lacking an entry that the model or a part names in its `keys` is skipped, like a damaged one.
     weights_path: where each save also writes the half-precision inference weights (None: not).
     Every rank calls save() and resume() with the same arguments: both are collectives.
     """
@@ -62,6 +64,8 @@ class CheckpointManager:
         self.folder, self.prefix, self.model_config = folder, prefix, model_config
         self.model, self.parts, self.keep_last, self.sharded = model, parts, keep_last, sharded
         self.weights_path, self.collectives = weights_path, collectives
+        # A part from outside the trainer may name no keys (lm_checkpoint's plain dict): it needs none.
+        self.needs = tuple(key for part in parts.values() for key in getattr(part, "keys", ()))
 
     # ------------------------------------------------------------------ saving
     def save(self, global_step: int) -> str:
@@ -108,7 +112,8 @@ class CheckpointManager:
     def _publish(self, path, state, files):
         """Rank 0, once `path` is complete: record it (`files`: {name: {size, sha256}}),
         point `latest` at it, drop the oldest."""
-        atomic_write_text(f"{path}.json", json.dumps({**{k: state[k] for k in RECORD_KEYS}, "files": files}))
+        record = {k: state[k] for k in TrainState.record_keys}
+        atomic_write_text(f"{path}.json", json.dumps({**record, "files": files}))
         _point_latest(self.folder, self.prefix, path)
         for old in list_checkpoints(self.folder, self.prefix)[max(1, self.keep_last):]:
             _remove(f"{old}.json")  # unrecord first: a kill in between leaves an ignored leftover
@@ -128,7 +133,7 @@ class CheckpointManager:
         except KeyError as missing:
             raise UserError(f"checkpoint {saved['path']} has no {missing} entry: it was written by another version "
                             f"of this trainer; resume with that version, or move it aside to start fresh") from None
-        return {k: v for k, v in saved.items() if k not in WEIGHT_KEYS}
+        return {k: v for k, v in saved.items() if k not in self.model.keys}
 
     def latest(self) -> dict | None:
         """The newest verified checkpoint, or None when this run has none.
@@ -145,14 +150,14 @@ class CheckpointManager:
             except UserError as exc:
                 path, message = None, str(exc)
             if path is not None:
-                rest = {k: v for k, v in state.items() if k not in WEIGHT_KEYS} | {"path": path}
+                rest = {k: v for k, v in state.items() if k not in self.model.keys} | {"path": path}
         rest, message = self.collectives.broadcast((rest, message))
         if message:
             raise UserError(message)
         if rest is None:
             return None
         if self.collectives.rank == 0 and not rest["path"].endswith(".dcp"):
-            return dict(rest, **{k: state[k] for k in WEIGHT_KEYS})
+            return dict(rest, **{k: state[k] for k in self.model.keys})
         return rest
 
     def _choose(self):
@@ -163,14 +168,14 @@ class CheckpointManager:
             # flags changed, not that this is a new run: say so instead of silently starting over.
             for other in sorted(list_checkpoints(self.folder), key=os.path.getmtime, reverse=True):
                 try:
-                    saved_config = verify_checkpoint(other)["model_config"]
+                    saved_config = verify_checkpoint(other, self.needs, self.model.keys)["model_config"]
                 except ValueError:
                     continue
                 check_config_matches(other, saved_config, self.model_config)
             return None, None
         for path in candidates:
             try:
-                state = verify_checkpoint(path)
+                state = verify_checkpoint(path, self.needs, self.model.keys)
             except ValueError as exc:
                 Logger(f"skipping checkpoint {path}: {exc}")
                 continue
@@ -248,9 +253,11 @@ def _load_trainer_state(path) -> dict:
     return torch.load(state_file, map_location="cpu", weights_only=True)
 
 
-def verify_checkpoint(path: str) -> dict:
+def verify_checkpoint(path: str, needs=(), weight_keys=ModelState.keys) -> dict:
     """Load `path` if its record, checksums and keys check out; raise ValueError saying why not.
 
+    Keys: the format's own, the record's, `needs` (the entries the parts that will load it
+    cannot do without: CheckpointManager.needs) and, in a .pth, the model's `weight_keys`.
     Returns the state dict (for a DCP folder, only its trainer state: the shards are
     read later, straight into the model)."""
     record_path = f"{path}.json"
@@ -273,7 +280,9 @@ def verify_checkpoint(path: str) -> dict:
         state = _load_trainer_state(path)
     except Exception as exc:
         raise ValueError(f"does not unpickle ({type(exc).__name__})") from None
-    required = {"format", "model_config", *RECORD_KEYS} | (set() if os.path.isdir(path) else set(WEIGHT_KEYS))
+    required = {"format", "model_config", *TrainState.record_keys, *needs}
+    if not os.path.isdir(path):
+        required |= set(weight_keys)
     missing = required - set(state) if isinstance(state, dict) else required
     if missing or state.get("format") != FORMAT:
         raise ValueError(f"not a {FORMAT} checkpoint (missing {sorted(missing)})")

@@ -1,8 +1,9 @@
 """The parts of a run that a checkpoint holds, each saving and loading itself (torchtitan's
 Stateful style): state_dict() returns the top-level entries the part adds to a checkpoint,
-load_state_dict(saved) reads them back from a whole checkpoint. trainer/checkpoint.py's
-CheckpointManager puts them together; the run's progress and data position is TrainState
-(trainer/train_state.py).
+load_state_dict(saved) reads them back from a whole checkpoint, and `keys` names the entries
+it cannot load without, so that the CheckpointManager (trainer/checkpoint.py) skips a
+checkpoint lacking one as unusable instead of choosing it. The run's progress and data
+position is TrainState (trainer/train_state.py).
 
     ModelState   "model", "optimizer" (in the .pth, or as a .dcp folder's shards)
     ScalerState  "scaler" (fp16's GradScaler)
@@ -26,6 +27,7 @@ from trainer.parallel import full_state_dict, weights_finite
 class ModelState:
     """The model's weights and the optimizer's state, by parameter name (DCP's state-dict API),
     so that they load into any layout: one process, DDP, or FSDP at any world size."""
+    keys = ("model", "optimizer")  # in a .pth; a .dcp folder holds them as shards instead
 
     def __init__(self, model, optimizer, collectives=TORCH_COLLECTIVES):
         self.model, self.optimizer, self.collectives = model, optimizer, collectives
@@ -76,6 +78,8 @@ def export_weights(model, weights_path: str):
 
 
 class ScalerState:
+    keys = ("scaler",)
+
     def __init__(self, scaler: torch.amp.GradScaler):
         self.scaler = scaler
 
@@ -89,6 +93,7 @@ class ScalerState:
 class RNGState:
     """Every rank's random generators (Python, numpy, torch, CUDA). Restored only at the world
     size they were saved at: on another one, rank r's generators would be another rank's."""
+    keys = ("rng",)
 
     def __init__(self, collectives=TORCH_COLLECTIVES):
         self.collectives = collectives

@@ -9,6 +9,7 @@ G = b*W*A, whatever W is. That makes resuming on another world size a matter of
 skipping k*G positions, and with a fixed G the sample order is topology-invariant.
 """
 from dataclasses import dataclass
+from typing import ClassVar
 
 from common.errors import UserError
 from trainer.distributed import Logger
@@ -80,6 +81,11 @@ class TrainState:
     """The run's progress. state_dict() holds what a checkpoint records about it; the
     data position is stored as (epoch, step in epoch, samples per step), so that
     load_state_dict() can re-express it in this run's step size."""
+    # What load_state_dict() cannot do without (a run may have no wandb_run_id); and what is
+    # also written beside each checkpoint, so that choosing the newest unpickles none of them.
+    keys: ClassVar = ("global_step", "epoch", "step_in_epoch", "samples_per_step", "world_size", "tokens_seen")
+    record_keys: ClassVar = ("global_step", "tokens_seen", "world_size")
+
     plan: StepPlan
     global_step: int = 0
     tokens_seen: int = 0
