@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.checkpoint import step_path
+from trainer.checkpoint import latest_path, step_path
 from trainer.run_files import metrics_path
 
 PREFIX = "pretrain_64"  # the tiny runs' --save_weight pretrain, --hidden_size 64
@@ -33,6 +33,15 @@ def checkpoint_name(step: int, prefix=PREFIX, sharded=False) -> str:
     return checkpoint_path(".", step, prefix, sharded).name
 
 
+def latest_link(run_dir, prefix=PREFIX, sharded=False) -> Path:
+    """The link the trainer points at the run's newest checkpoint."""
+    return Path(latest_path(str(Path(run_dir) / "ckpt"), prefix, sharded))
+
+
+def latest_link_name(prefix=PREFIX, sharded=False) -> str:
+    return latest_link(".", prefix, sharded).name
+
+
 def checkpoint_steps(run_dir, prefix=PREFIX, sharded=False) -> list[int]:
     """The steps of the run's resume checkpoints (complete or not), in order."""
     pattern = re.escape(checkpoint_name(0, prefix, sharded)).replace("0000000", r"(\d+)")
@@ -47,5 +56,5 @@ def load_checkpoint(path) -> dict:
 
 def latest_checkpoint(run_dir, prefix=PREFIX, suffix=".pth") -> dict:
     """The newest resume checkpoint; for a sharded (.dcp) one, its trainer state."""
-    path = Path(run_dir) / "ckpt" / f"{prefix}_resume{suffix}"
+    path = latest_link(run_dir, prefix, sharded=suffix == ".dcp")
     return load_checkpoint(path / "trainer_state.pt" if suffix == ".dcp" else path)

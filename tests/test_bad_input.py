@@ -16,7 +16,7 @@ import pytest
 
 from tests.assertions import error_lines, outputs_digest, worker_tracebacks
 from tests.jobs import JobSpec, run_all, run_trainer
-from tests.run_outputs import checkpoint_name, out_args
+from tests.run_outputs import checkpoint_name, latest_link_name, out_args
 from tests.tiny import TINY
 
 DATA = {
@@ -61,7 +61,7 @@ def plant_checkpoints(run_dir):
     out.mkdir()
     (ckpt / checkpoint_name(4)).write_bytes(os.urandom(4096))
     (ckpt / f"{checkpoint_name(4)}.json").write_text('{"global_step": 4}')
-    os.symlink(checkpoint_name(4), ckpt / "pretrain_64_resume.pth")
+    os.symlink(checkpoint_name(4), ckpt / latest_link_name())
     (out / "pretrain_64.pth").write_bytes(os.urandom(1024))
 
 

@@ -17,6 +17,7 @@ from common.atomic import atomic_torch_save
 from common.errors import UserError
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.assertions import tree_digest
+from tests.run_outputs import latest_link_name
 from tests.tiny import FLAGS
 from trainer import checkpoint
 from trainer.checkpoint import FORMAT, CheckpointManager, list_checkpoints, step_path
@@ -118,7 +119,7 @@ def save_at(folder, step, tokens=None, keep_last=3):
 def test_a_save_is_the_checkpoint_its_record_and_the_link(tmp_path):
     path = save_at(tmp_path, 4)
     assert path == step_path(str(tmp_path), PREFIX, 4)
-    assert sorted(tree_digest(tmp_path)) == [f"{PREFIX}_resume.pth", f"{PREFIX}_resume_step0000004.pth",
+    assert sorted(tree_digest(tmp_path)) == [latest_link_name(PREFIX), f"{PREFIX}_resume_step0000004.pth",
                                               f"{PREFIX}_resume_step0000004.pth.json"]
     record = json.loads(Path(f"{path}.json").read_text())
     assert (record["global_step"], record["tokens_seen"], record["world_size"]) == (4, 400, 1)
@@ -133,7 +134,7 @@ def test_rotation_keeps_the_newest_by_tokens_trained_not_by_step(tmp_path):
         save_at(tmp_path, step, tokens, keep_last=3)
     assert [Path(p).name for p in list_checkpoints(str(tmp_path), PREFIX)] == \
         [f"{PREFIX}_resume_step{s:07d}.pth" for s in (3, 6, 4)]
-    assert os.readlink(tmp_path / f"{PREFIX}_resume.pth") == f"{PREFIX}_resume_step0000003.pth"
+    assert os.readlink(tmp_path / latest_link_name(PREFIX)) == f"{PREFIX}_resume_step0000003.pth"
     state = TrainState(plan())
     assert manager(tmp_path, state=state).resume()["global_step"] == 3
     assert state.tokens_seen == 700
@@ -263,7 +264,7 @@ def test_only_rank_0_writes_and_both_ranks_join_the_same_collectives(tmp_path):
     done = ThreadJob(2).run(lambda rank: manager(folders[rank.rank], rank).save(4))
     for rank, result in done:
         assert not isinstance(result, BaseException), result
-    assert sorted(tree_digest(folders[0])) == [f"{PREFIX}_resume.pth", f"{PREFIX}_resume_step0000004.pth",
+    assert sorted(tree_digest(folders[0])) == [latest_link_name(PREFIX), f"{PREFIX}_resume_step0000004.pth",
                                                 f"{PREFIX}_resume_step0000004.pth.json"]
     assert not folders[1].exists()
     (rank0, _), (rank1, _) = done

@@ -11,7 +11,7 @@ import pytest
 
 from tests.assertions import error_lines, outputs_digest
 from tests.jobs import run_trainer
-from tests.run_outputs import checkpoint_name, checkpoint_path, out_args
+from tests.run_outputs import checkpoint_name, checkpoint_path, latest_link_name, out_args
 from tests.tiny import TINY
 from trainer.checkpoint import verify_checkpoint
 
@@ -45,7 +45,7 @@ def leave_tmp_files(run_dir):
     d = Path(run_dir) / "ckpt"
     (d / f"{name(10)}.tmp").write_bytes(b"half a checkpoint")  # killed mid-save
     (d / f"{name(8)}.json.tmp").write_text('{"global_step": 8, "fi')  # killed mid-record
-    os.symlink(name(4), d / "pretrain_64_resume.pth.tmp")  # killed mid-swap of the link
+    os.symlink(name(4), d / f"{latest_link_name()}.tmp")  # killed mid-swap of the link
 
 
 # name: (damage, extra flags). Every attempt resumes with --from_resume 1.
@@ -96,7 +96,7 @@ def test_keep_last_three_named_by_step_and_link_to_newest(base):
     d = base / "ckpt"
     assert sorted(p.name for p in d.glob("*_step*.pth")) == [name(4), name(6), name(8)]
     assert sorted(p.name for p in d.glob("*.json")) == [f"{name(s)}.json" for s in (4, 6, 8)]
-    assert os.readlink(d / "pretrain_64_resume.pth") == name(8)
+    assert os.readlink(d / latest_link_name()) == name(8)
     assert not list(d.glob("*.tmp"))
     for step in (4, 6, 8):
         assert verify_checkpoint(str(d / name(step)))["global_step"] == step
@@ -120,7 +120,7 @@ def test_unusable_newest_is_skipped_in_one_line_and_the_previous_used(attempts, 
     assert resumed_from(result.stdout) == 6
     # ...and the re-trained step 8 replaced the bad file with a good one.
     assert verify_checkpoint(str(ckpt(run, 8)))["global_step"] == 8
-    assert os.readlink(run / "ckpt" / "pretrain_64_resume.pth") == name(8)
+    assert os.readlink(run / "ckpt" / latest_link_name()) == name(8)
 
 
 def test_leftover_tmp_files_do_not_matter(attempts):
@@ -130,7 +130,7 @@ def test_leftover_tmp_files_do_not_matter(attempts):
     assert resumed_from(result.stdout) == 8
     assert verify_checkpoint(str(ckpt(run, 10)))["global_step"] == 10
     assert not (run / "ckpt" / f"{name(10)}.tmp").exists()  # the save at 10 cleared its own debris
-    assert os.readlink(run / "ckpt" / "pretrain_64_resume.pth") == name(10)
+    assert os.readlink(run / "ckpt" / latest_link_name()) == name(10)
 
 
 def test_all_unusable_stops_with_a_message_and_touches_nothing(attempts):
@@ -149,7 +149,7 @@ def test_no_checkpoint_at_all_starts_fresh(attempts):
     assert result.returncode == 0, result.stdout[-3000:]
     assert "resumed from" not in result.stdout
     assert re.search(r"^epoch 1/\d+ step 1/2 ", result.stdout, re.M)
-    assert os.readlink(run / "ckpt" / "pretrain_64_resume.pth") == name(2)
+    assert os.readlink(run / "ckpt" / latest_link_name()) == name(2)
 
 
 @pytest.mark.parametrize("scenario, key, saved, given", [

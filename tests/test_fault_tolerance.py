@@ -26,7 +26,7 @@ from scripts.launching import PYTHON, TRAIN, children
 from tests.jobs import JobSpec, ProcessJob, run_all, run_trainer
 from tests.fault_injection import fault_env
 from tests.run_outputs import (
-    checkpoint_name, checkpoint_path, checkpoint_steps, latest_checkpoint, load_checkpoint, out_args,
+    checkpoint_name, checkpoint_path, checkpoint_steps, latest_checkpoint, latest_link_name, load_checkpoint, out_args,
 )
 from tests.tiny import TINY
 from trainer.checkpoint import verify_checkpoint
@@ -182,7 +182,7 @@ def test_sigterm_saves_the_current_step_and_exits_promptly(preempted):
     steps = ckpt_steps(preempted["run"])
     assert steps[-1] == saved and all(s % PREEMPT_SAVE == 0 for s in steps[:-1])
     ckpt, name = preempted["run"] / "ckpt", checkpoint_name(saved)
-    assert os.readlink(ckpt / "pretrain_64_resume.pth") == name
+    assert os.readlink(ckpt / latest_link_name()) == name
     assert verify_checkpoint(str(ckpt / name))["global_step"] == saved
     assert output.count("preempted: saved step") == 1  # rank 0 only
 
@@ -309,7 +309,7 @@ def test_nan_forever_aborts_after_max_bad_steps_and_keeps_good_checkpoints(runs)
     for step in (2, 4):
         state = verify_checkpoint(str(run / "ckpt" / checkpoint_name(step)))
         assert all_finite(state["model"])
-    assert os.readlink(run / "ckpt" / "pretrain_64_resume.pth") == checkpoint_name(4)
+    assert os.readlink(run / "ckpt" / latest_link_name()) == checkpoint_name(4)
 
 
 # ---------------------------------------------------------------------------- 7. a rank raises

@@ -12,7 +12,9 @@ from tests.assertions import assert_clean_exit
 from scripts.elastic_agents import agreed_port
 from scripts.launching import PYTHON, REPO_ROOT, TORCHRUN, TRAIN
 from tests.jobs import JobSpec, run_all, run_env
-from tests.run_outputs import checkpoint_name, latest_checkpoint, load_checkpoint, out_args, read_metrics
+from tests.run_outputs import (
+    checkpoint_name, latest_checkpoint, latest_link_name, load_checkpoint, out_args, read_metrics,
+)
 from tests.tiny import TINY
 
 PREFIX = "pretrain_64"
@@ -23,8 +25,8 @@ def assert_one_set_of_files(run_dir, steps):
     second metrics stream, no leftover temp files, one checkpoint with its record."""
     assert sorted(os.listdir(run_dir / "out")) == [f"{PREFIX}.json", f"{PREFIX}.pth", f"{PREFIX}_metrics.jsonl"]
     step_file = checkpoint_name(steps)
-    assert sorted(os.listdir(run_dir / "ckpt")) == [f"{PREFIX}_resume.pth", step_file, f"{step_file}.json"]
-    assert os.readlink(run_dir / "ckpt" / f"{PREFIX}_resume.pth") == step_file
+    assert sorted(os.listdir(run_dir / "ckpt")) == [latest_link_name(PREFIX), step_file, f"{step_file}.json"]
+    assert os.readlink(run_dir / "ckpt" / latest_link_name(PREFIX)) == step_file
     assert [row["step"] for row in read_metrics(run_dir)] == list(range(1, steps + 1))
 
 

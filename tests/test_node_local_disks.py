@@ -13,7 +13,7 @@ from tests.assertions import assert_clean_exit
 from scripts.elastic_agents import agreed_port
 from scripts.launching import REPO_ROOT, TORCHRUN
 from tests.jobs import run_env
-from tests.run_outputs import checkpoint_name, read_metrics
+from tests.run_outputs import checkpoint_name, latest_link_name, read_metrics
 from tests.tiny import TINY
 from tests.helpers_data import SAMPLE_TEXTS, write_jsonl
 from tests.fault_injection import fault_env
@@ -72,7 +72,7 @@ def test_resume_after_a_kill_needs_the_checkpoint_on_node_0_only(nodes):
     assert f"rank 1 SIGKILLs itself at step {KILL}" in killed[1][1], killed[1][1][-3000:]
     assert all(rc != 0 for rc, _ in killed), [out[-2000:] for _, out in killed]
     assert checkpoint_files(node0) == [
-        "ckpt/pretrain_64_resume.pth",
+        f"ckpt/{latest_link_name()}",
         *[f"ckpt/{checkpoint_name(s)}{suffix}" for s in (SAVE, 2 * SAVE) for suffix in ("", ".json")]]
     assert checkpoint_files(node1) == []
 

@@ -8,7 +8,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.assertions import assert_bitwise_equal, assert_clean_exit, max_abs_diff
 from tests.jobs import JobSpec, run_all
-from tests.run_outputs import checkpoint_name, latest_checkpoint, out_args
+from tests.run_outputs import checkpoint_name, latest_checkpoint, latest_link, out_args
 from tests.tiny import TINY
 from tests.fault_injection import fault_env
 
@@ -56,7 +56,7 @@ def runs(tmp_path_factory):
     done["dcp2to1/killed"] = done["fsdp_killed/killed"]
     resumes = {}
     for name, (killed_nproc, nproc, extra) in INTERRUPTED.items():
-        saved = root / name / "ckpt" / f"pretrain_64_resume{_suffix(extra, killed_nproc)}"
+        saved = latest_link(root / name, sharded=_suffix(extra, killed_nproc) == ".dcp")
         done[f"{name}/step"] = saved.exists() and latest_checkpoint(root / name, suffix=saved.suffix)["global_step"]
         resumes[name] = JobSpec([*BASE, *out_args(root / name), *extra, "--from_resume", "1"], root / name, nproc=nproc,
                                 mode="forked")
@@ -128,7 +128,7 @@ def test_fsdp_matches_ddp_step_for_step(ddp_run, runs, tmp_path):
 def _full_weights_of_dcp(tmp_path, run_dir):
     """The fp32 model weights inside the newest sharded checkpoint of `run_dir`."""
     out = tmp_path / f"{run_dir.name}_full.pt"
-    dcp_to_torch_save(run_dir / "ckpt" / "pretrain_64_resume.dcp", out)
+    dcp_to_torch_save(latest_link(run_dir, sharded=True), out)
     return torch.load(out, weights_only=True)["model"]
 
 

@@ -21,7 +21,7 @@ from scripts.eval_llm import main as eval_main
 from tests.assertions import assert_clean_exit, error_lines, worker_tracebacks
 from scripts.launching import REPO_ROOT
 from tests.jobs import JobSpec, run_all
-from tests.run_outputs import out_args
+from tests.run_outputs import latest_link_name, out_args
 from tests.tiny import FLAGS, TINY, train_tiny
 from trainer.device import resolve_device
 from trainer.checkpoint import verify_checkpoint
@@ -206,7 +206,7 @@ def test_every_pth_the_trainer_writes_still_loads(tmp_path):
     model.eval()
     half = load_model(tmp_path / "out" / "pretrain_64.pth", hidden_size=64, num_hidden_layers=2)[0]
     assert (logits_of(half) - logits_of(model)).abs().max() < 0.05  # fp16 weights
-    for path in (step_file, tmp_path / "ckpt" / "pretrain_64_resume.pth"):
+    for path in (step_file, tmp_path / "ckpt" / latest_link_name()):
         assert logits_of(load_model(path)[0]).equal(logits_of(model))  # fp32, config stored
 
 

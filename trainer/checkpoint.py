@@ -187,8 +187,16 @@ class CheckpointManager:
 
 # ---------------------------------------------------------------------------- the files
 def step_path(checkpoint_dir, prefix, global_step, sharded=False) -> str:
-    suffix = "dcp" if sharded else "pth"
-    return os.path.join(checkpoint_dir, f"{prefix}_resume_step{global_step:07d}.{suffix}")
+    return os.path.join(checkpoint_dir, f"{prefix}_resume_step{global_step:07d}{_extension(sharded)}")
+
+
+def latest_path(checkpoint_dir, prefix, sharded=False) -> str:
+    """The link to the newest checkpoint, for people and scripts (a resume picks by the records)."""
+    return os.path.join(checkpoint_dir, f"{prefix}_resume{_extension(sharded)}")
+
+
+def _extension(sharded: bool) -> str:
+    return ".dcp" if sharded else ".pth"  # a torch.distributed.checkpoint folder, or one torch.save file
 
 
 def list_checkpoints(checkpoint_dir, prefix="*") -> list[str]:
@@ -221,9 +229,9 @@ def _sha256(path, chunk=1 << 22) -> str:
 
 
 def _point_latest(checkpoint_dir, prefix, target):
-    suffix = os.path.splitext(target)[1]  # .pth, or .dcp for a sharded folder
-    link = os.path.join(checkpoint_dir, f"{prefix}_resume{suffix}")
-    stale = os.path.join(checkpoint_dir, f"{prefix}_resume{'.pth' if suffix == '.dcp' else '.dcp'}")
+    sharded = target.endswith(".dcp")
+    link = latest_path(checkpoint_dir, prefix, sharded)
+    stale = latest_path(checkpoint_dir, prefix, not sharded)
     if os.path.islink(stale):  # the run switched between DDP and FSDP
         os.remove(stale)
     tmp = f"{link}.tmp"
