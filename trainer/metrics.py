@@ -22,6 +22,8 @@ from contextlib import contextmanager
 import torch
 from tqdm import tqdm
 
+from trainer.run_files import metrics_path
+
 # Dense (not 2:4 sparse) bf16 tensor-core peaks in TFLOP/s, matched against
 # torch.cuda.get_device_name(). The first pattern that matches wins, so a form factor
 # (PCIe, NVL) comes before its family, and each name is matched whole ("L40" is not "L40S").
@@ -156,7 +158,7 @@ class RunLogger:
         if not enabled:
             return
         os.makedirs(args.save_dir, exist_ok=True)
-        self.path = os.path.join(args.save_dir, f"{prefix}_metrics.jsonl")
+        self.path = metrics_path(args.save_dir, prefix)
         self._truncate_after(start_step if args.from_resume else -1)
         self.bar = tqdm(total=self.total_steps, initial=start_step, desc="train", dynamic_ncols=True,
                         disable=not sys.stderr.isatty())
