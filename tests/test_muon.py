@@ -186,16 +186,18 @@ def test_muon_resumes_bitwise_after_a_kill(tmp_path):
 
 
 def test_a_checkpoint_written_with_torch_optim_muon_resumes(tmp_path):
-    """Runs of earlier versions trained with torch.optim.Muon: their momentum buffers load into ours."""
-    from trainer.optim import OptimConfig, Optimizers, param_groups
+    """Runs of earlier versions trained with torch.optim.Muon: their momentum buffers load into
+    ours, each onto the parameter of the same name, and the trainer resumes from the checkpoint."""
+    from trainer.optim import OptimConfig, Optimizers, build_optimizer, param_groups
+    from trainer.stateful import ModelState
     from trainer.trainer_utils import lm_checkpoint
 
     torch.manual_seed(0)
     config = MiniMindConfig(hidden_size=64, num_hidden_layers=2)
     model = MiniMindForCausalLM(config)
     groups = param_groups(model, OptimConfig(optimizer="muon"))
-    old = Optimizers([torch.optim.AdamW([g for g in groups if g["name"] != "muon"], lr=1e-3),
-                      torch.optim.Muon([g for g in groups if g["name"] == "muon"], lr=0.02)])
+    theirs = torch.optim.Muon([g for g in groups if g["name"] == "muon"], lr=0.02)
+    old = Optimizers([torch.optim.AdamW([g for g in groups if g["name"] != "muon"], lr=1e-3), theirs])
     ids = torch.randint(3, 6400, (4, 64))
     model(ids, labels=ids).loss.backward()
     old.step()
@@ -203,6 +205,20 @@ def test_a_checkpoint_written_with_torch_optim_muon_resumes(tmp_path):
     lm_checkpoint(str(run / "ckpt"), "pretrain_64", model, old,
                   state={"scaler": {}, "global_step": 1, "epoch": 0, "step_in_epoch": 1, "samples_per_step": 4,
                          "world_size": 1, "tokens_seen": 256, "rng": []})
+
+    # Load it as the trainer's resume does (ModelState), into a fresh model and our Muon.
+    fresh = MiniMindForCausalLM(config)
+    new = build_optimizer(fresh, OptimConfig(optimizer="muon"))
+    ModelState(fresh, new).load_state_dict(lm_checkpoint(str(run / "ckpt"), "pretrain_64", fresh))
+    ours = next(opt for opt in new if isinstance(opt, Muon))
+    saved = {n: theirs.state[p]["momentum_buffer"] for n, p in model.named_parameters() if p in theirs.state}
+    loaded = {n: ours.state[p].get("momentum_buffer") for n, p in fresh.named_parameters() if p in ours.state}
+    missing = sorted(name for name in saved if loaded.get(name) is None)
+    different = sorted(name for name in saved if name not in missing and not torch.equal(loaded[name], saved[name]))
+    # 14: the 7 block matrices of each of the 2 layers, all of which torch.optim.Muon stepped
+    assert len(saved) == 14 and not missing and not different, \
+        f"momentum buffers: {len(missing)} not loaded ({missing[:2]}), {len(different)} differ ({different[:2]})"
+
     resumed = run_trainer([*TINY, *out_args(run), "--optimizer", "muon", "--max_steps", "3", "--from_resume", "1"],
                           tmp_path)
     assert resumed.returncode == 0, resumed.stdout[-3000:]
