@@ -25,6 +25,17 @@ is mostly how common the words are, not whether they follow), of one kind (word-
 one line) and of one length, so neither acc nor acc_norm can win on length or shape.
 Cuts at least --stride characters apart give several items per document. Everything is
 drawn from random.Random(seed): the same corpus and flags give the same file.
+
+    python scripts/build_eval_task.py --data_path dataset/demo_pretrain.jsonl --every 25 \
+        --check dataset/tasks/minimind_heldout.jsonl
+
+checks a task file against a corpus instead (task_misfit): exit 0 when every item still
+holds in this corpus's held-out split, else 1 and one line naming the first item that does
+not. The demo corpus is built from the running Python's standard library, so on another
+Python version it holds other documents in another order, and the committed task's items
+may then come from documents the quick start trains on. scripts/quickstart.sh and
+scripts/bench_quality.py check before they use the committed task, and build one from the
+corpus at hand when it does not hold.
 """
 import argparse
 import json
@@ -39,7 +50,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from common.atomic import atomic_write_text  # noqa: E402
 from common.errors import report_user_errors  # noqa: E402
 from common.errors import DataError  # noqa: E402
-from dataset.lm_dataset import iter_jsonl_texts  # noqa: E402
+from dataset.lm_dataset import iter_jsonl_texts, iter_raw_lines  # noqa: E402
 from scripts.split_corpus import is_held_out  # noqa: E402
 
 N_CHOICES = 4
@@ -126,11 +137,54 @@ def build_items(held_out, train, args):
     return items
 
 
+def task_misfit(task_path, data_path, every, overlap_chars=40):
+    """Why the task at task_path is not a held-out task of the corpus at data_path, or None when
+    every item holds there as build_items made it: the held-out document it names (`doc`)
+    starts with its context and the gold choice right after it, no training document holds
+    the passage (overlap_chars of context and the gold, build_items' rule), and every other
+    choice is text of another held-out document. An item only says which document it came
+    from by index, so a corpus with other documents or another order (the demo corpus built
+    on another Python) fails here, rather than scoring a model on text it trained on."""
+    held_out, train = read_split(data_path, every)
+    docs = dict(held_out)
+    train_text = "\n".join(train)
+    try:
+        lines = list(iter_raw_lines(task_path, "--check", "a task .jsonl written by this script"))
+    except DataError as e:
+        return str(e)
+    for line_number, _, raw in lines:
+        where = f"{task_path}:{line_number}"
+        try:
+            item = json.loads(raw)
+            doc, context, choices, label = item["doc"], item["context"], item["choices"], item["label"]
+            gold = choices[label]
+            well_formed = (type(doc) is int and type(label) is int and label >= 0 and isinstance(context, str)
+                           and isinstance(choices, list) and all(isinstance(c, str) for c in choices))
+        except (ValueError, KeyError, TypeError, IndexError):
+            well_formed = False
+        if not well_formed:
+            return f'{where}: not an item of build_eval_task.py (its "doc", "context", "choices" and "label")'
+        text = docs.get(doc)
+        if text is None:
+            return (f"{where}: document {doc} is not held out in {data_path} (every {every}th of "
+                    f"{len(held_out) + len(train)} documents)")
+        if not text.startswith(f"{context} {gold}"):
+            return f"{where}: held-out document {doc} of {data_path} does not start with the item's context and gold"
+        if text[max(0, len(context) - overlap_chars):len(context) + 1] + gold in train_text:
+            return f"{where}: a training document of {data_path} holds the item's passage"
+        for choice in choices:
+            if choice != gold and not any(choice in other for i, other in held_out if i != doc):
+                return f"{where}: choice {choice!r} is text of no other held-out document of {data_path}"
+    return None
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data_path", required=True, help='JSONL corpus, one {"text": ...} per line')
     p.add_argument("--every", type=int, default=25, help="held-out documents: every N-th (the quick start's 25)")
-    p.add_argument("--out", required=True, help="task JSONL to write")
+    p.add_argument("--out", help="task JSONL to write")
+    p.add_argument("--check", metavar="TASK", help="write nothing: exit 0 if TASK's items hold in this corpus's "
+                                                   "held-out split, else 1 with a line naming the first that does not")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cont_chars", type=int, default=20, help="the gold continuation's least length in characters")
     p.add_argument("--slack", type=int, default=2, help="distractor lengths within this many characters of the gold's")
@@ -144,6 +198,8 @@ def parse_args(argv=None):
     for name in ("cont_chars", "min_context", "stride", "max_per_doc", "every"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if (args.out is None) == (args.check is None):
+        p.error("give --out FILE (build a task) or --check TASK (check one against --data_path), one of the two")
     if args.slack < 0 or args.max_context < args.min_context:
         p.error("--slack must not be negative and --max_context not below --min_context")
     return args
@@ -152,6 +208,14 @@ def parse_args(argv=None):
 @report_user_errors
 def main(argv=None):
     args = parse_args(argv)
+    if args.check:
+        why = task_misfit(args.check, args.data_path, args.every, args.overlap_chars)
+        if why:
+            print(f"build_eval_task: {why}")
+            sys.exit(1)
+        print(f"build_eval_task: {args.check} holds in {args.data_path}: every item from its held-out documents "
+              f"(every {args.every}th)")
+        return
     held_out, train = read_split(args.data_path, args.every)
     items = build_items(held_out, train, args)
     if not items:

@@ -49,8 +49,9 @@ EVAL_INTERVAL="${QS_EVAL_INTERVAL:-25}"  # a val point every N steps, for the pl
 VAL_EVERY="${QS_VAL_EVERY:-25}"    # every N-th document is held out (4% of the corpus)
 PROMPT="${QS_PROMPT:-Return the}"
 # The multiple-choice task of stage 4: on the demo corpus the committed one, cut from the
-# documents this split holds out (scripts/build_eval_task.py); on another corpus one built
-# the same way from its own held-out documents, in stage 2.
+# documents this split holds out (scripts/build_eval_task.py), once stage 2 has checked that
+# it was cut from this very build of the corpus; else (another corpus, or a demo corpus
+# built on another Python) one built the same way from the corpus's own held-out documents.
 DEFAULT_TASK="$REPO_ROOT/dataset/tasks/minimind_heldout.jsonl"
 TASK="${QS_TASK:+$(abspath "$QS_TASK")}"
 MAX_NEW_TOKENS="${QS_MAX_NEW_TOKENS:-60}"
@@ -91,8 +92,18 @@ stage 2/6 "held-out split, packing, unigram baseline"
 TQDM_DISABLE=1 "$PYTHON" scripts/prepare_data.py --data_path "$DATA/train.jsonl" --out_path "$DATA/train.bin"
 TQDM_DISABLE=1 "$PYTHON" scripts/prepare_data.py --data_path "$DATA/val.jsonl" --out_path "$DATA/val.bin" --num_proc 1
 if [[ -z "$TASK" && "$CORPUS" == "$DEFAULT_CORPUS" && "$VAL_EVERY" == 25 ]]; then
-    TASK="$DEFAULT_TASK"
-elif [[ -z "$TASK" ]]; then
+    # The committed task was cut from the demo corpus of one Python version; another's
+    # standard library gives other documents, and then its items may be text this run trains
+    # on. So it is used only where every item still holds in this corpus's held-out split.
+    if CHECK="$("$PYTHON" scripts/build_eval_task.py --data_path "$CORPUS" --every 25 --check "$DEFAULT_TASK")"; then
+        echo "$CHECK"
+        TASK="$DEFAULT_TASK"
+    else
+        echo "${CHECK:-build_eval_task: the check of $DEFAULT_TASK failed}: another build of the demo corpus" \
+             "(it differs between Python versions); building the task from this one's own held-out documents instead"
+    fi
+fi
+if [[ -z "$TASK" ]]; then
     TASK="$DATA/task.jsonl"
     "$PYTHON" scripts/build_eval_task.py --data_path "$CORPUS" --every "$VAL_EVERY" --out "$TASK"
 fi

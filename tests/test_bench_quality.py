@@ -70,3 +70,31 @@ def test_the_table_has_each_variants_final_task_accuracy():
     assert row_a.startswith("| a_minimind |") and row_a.endswith("| 0.435 ± 0.025 |")
     assert row_b.startswith("| b_defaults |") and row_b.endswith("| - |")  # no final weights to score
     assert row_a.count("|") == header.count("|")
+
+
+def test_the_committed_task_is_scored_only_where_it_holds_in_the_corpus(tmp_path, monkeypatch, capsys):
+    """On the demo corpus bench_quality scores the committed task, unless its items are not the
+    held-out documents of the corpus at hand (a demo corpus built on another Python): then a task
+    built from that corpus's own held-out split, with one line saying why."""
+    from scripts import bench_quality
+    from scripts.build_eval_task import main as build_main
+    from tests import helpers_data
+
+    words = [f"w{i}x{i * 7 % 13}" for i in range(300)]
+    docs = [" ".join(words[(d * 31 + k * k) % 300] for k in range(60)) for d in range(100)]
+    corpus = helpers_data.write_jsonl(tmp_path / "demo.jsonl", docs)
+    committed = tmp_path / "committed.jsonl"
+    build_main(["--data_path", str(corpus), "--every", "25", "--out", str(committed)])
+    monkeypatch.setattr(bench_quality, "DEMO_CORPUS", corpus)
+    monkeypatch.setattr(bench_quality, "DEFAULT_TASK", committed)
+    args = parse_args(["--corpus", str(corpus)])
+    data = tmp_path / "data"
+    data.mkdir()
+    capsys.readouterr()
+    assert bench_quality.task_file(args, data) == committed
+    assert "instead" not in capsys.readouterr().out
+    helpers_data.write_jsonl(corpus, ["one more document, first", *docs])  # this machine's build differs
+    task = bench_quality.task_file(args, data)
+    assert task == data / "task.jsonl" and task.is_file()
+    out = capsys.readouterr().out
+    assert f"bench_quality: {committed}:1: held-out document" in out and "built from this one's own held-out documents" in out

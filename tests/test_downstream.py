@@ -10,11 +10,12 @@ import torch
 from common.errors import DataError
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import load_model
-from scripts.build_eval_task import main as build_main
+from scripts.build_eval_task import main as build_main, task_misfit
 from scripts.convert_model import export_native, save_pth
 from scripts.eval_llm import main as eval_main
 from scripts.launching import REPO_ROOT
 from scripts.split_corpus import is_held_out
+from tests import helpers_data
 from tests.assertions import assert_clean_exit
 from tests.jobs import JobSpec, run_all
 from tests.run_outputs import latest_checkpoint, out_args, read_metrics
@@ -183,6 +184,80 @@ def test_build_eval_task_is_deterministic_and_held_out(tmp_path):
             # every distractor is real text from another held-out document, of about the gold's length
             assert abs(len(other) - len(gold)) <= 2
             assert other == gold or any(other in docs[i] for i in range(24, len(docs), 25) if i != item["doc"])
+    assert task_misfit(TASK, corpus, 25) is None  # so the quick start uses the committed task here
+
+
+def word_docs(n, seed=0):
+    """n one-line documents of random words: no passage of one recurs in another."""
+    import random
+
+    rng = random.Random(seed)
+    words = ["".join(rng.choice("abcdefghijklmnop") for _ in range(rng.randint(2, 8))) for _ in range(400)]
+    return [" ".join(rng.choice(words) for _ in range(70)) for _ in range(n)]
+
+
+@pytest.fixture
+def built_task(tmp_path):
+    """(corpus documents, the task build_eval_task cut from them, every 5th held out), and a writer
+    of other corpora."""
+    docs = word_docs(60)
+    corpus = helpers_data.write_jsonl(tmp_path / "corpus.jsonl", docs)
+    task = tmp_path / "task.jsonl"
+    build_main(["--data_path", str(corpus), "--every", "5", "--out", str(task)])
+    return docs, task, lambda texts: helpers_data.write_jsonl(tmp_path / "other.jsonl", texts)
+
+
+def first_item(task):
+    return json.loads(task.read_text().splitlines()[0])
+
+
+# How a corpus at hand can differ from the one a task was cut from (the demo corpus built on
+# another Python holds other documents, in another order), and what the check then says.
+MISFITS = {
+    "held_out_doc_edited": (lambda docs, item: [*docs[:item["doc"]], "Another " + docs[item["doc"]],
+                                                *docs[item["doc"] + 1:]],
+                            "held-out document {doc} of {corpus} does not start with the item's context and gold"),
+    "one_doc_more_in_front": (lambda docs, item: ["a new first document", *docs],
+                              "held-out document {doc} of {corpus} does not start with the item's context"),
+    "passage_in_a_training_doc": (lambda docs, item: [*docs, item["context"][-40:] + " " + item["choices"][item["label"]]],
+                                  "a training document of {corpus} holds the item's passage"),
+}
+
+
+def test_a_task_holds_only_in_the_corpus_it_was_cut_from(built_task):
+    docs, task, write = built_task
+    assert task_misfit(task, write(docs), 5) is None
+    item = first_item(task)
+    for case, (change, expected) in MISFITS.items():
+        corpus = write(change(docs, item))
+        why = task_misfit(task, corpus, 5)
+        assert why is not None, case
+        assert why.startswith(f"{task}:1: " + expected.format(doc=item["doc"], corpus=corpus)), (case, why)
+    # another split of the same corpus: the item's document is a training one there
+    corpus = write(docs)
+    assert task_misfit(task, corpus, 6) == f"{task}:1: document {item['doc']} is not held out in {corpus} (every 6th of 60 documents)"
+    # a distractor that is no held-out document's text: not a task of this split either
+    lines = task.read_text().splitlines()
+    wrong = 1 if item["label"] == 0 else 0
+    item["choices"][wrong] = "zz" * 10
+    task.write_text("\n".join([*lines[:-1], json.dumps(item)]) + "\n")
+    assert task_misfit(task, write(docs), 5) == (f"{task}:{len(lines)}: choice {'zz' * 10!r} is text of no other "
+                                                 f"held-out document of {write(docs)}")
+
+
+def test_the_check_from_the_command_line_is_one_line_and_its_exit_code(built_task, capsys):
+    docs, task, write = built_task
+    build_main(["--data_path", str(write(docs)), "--every", "5", "--check", str(task)])
+    assert "holds in" in capsys.readouterr().out
+    moved = write(["a new first document", *docs])
+    with pytest.raises(SystemExit) as info:
+        build_main(["--data_path", str(moved), "--every", "5", "--check", str(task)])
+    out = capsys.readouterr().out.strip()
+    assert info.value.code == 1 and out.startswith(f"build_eval_task: {task}:1: ") and "\n" not in out, out
+    with pytest.raises(SystemExit) as info:  # a task file that is not there: the same one line, not a traceback
+        build_main(["--data_path", str(moved), "--every", "5", "--check", str(task) + ".missing"])
+    out = capsys.readouterr().out.strip()
+    assert info.value.code == 1 and out == f"build_eval_task: {task}.missing: not found: pass --check an existing .jsonl file"
 
 
 # -----------------------------------------------------------------------------
