@@ -33,8 +33,9 @@ def gradient(step: int, index: int, shape) -> torch.Tensor:
 def main(out_prefix: str, layout: str):
     env = init_distributed_mode("cpu")
     torch.manual_seed(0)
-    # hidden 64: stacks of 4 (q/o, k/v) and 6 (gate/up/down); intermediate 256 splits unevenly
-    # over 3 ranks, so FSDP shards of unequal rows are exercised too.
+    # hidden 64: stacks of 4 (q/o, k/v) and 6 (gate/up/down). Over 3 ranks the stacks of 4 split
+    # 2/2/0, so DDP's rank 2 pads its share with zeros, and the intermediate 256 rows split
+    # 86/86/84, so FSDP shards of unequal rows are exercised too.
     model = MiniMindForCausalLM(MiniMindConfig(hidden_size=64, num_hidden_layers=2, vocab_size=512))
     wrap_model(model, env, "fsdp" if layout == "fsdp" else "ddp")
     matrices = [(n, p) for n, p in model.named_parameters() if is_block_matrix(n, p)]

@@ -147,15 +147,32 @@ def one_process(tmp_path_factory):
     return _worker_results(tmp_path_factory.mktemp("muon_one"), "none", 1)[0]
 
 
+def newton_schulz_share(shapes, layout: str, nproc: int, rank: int) -> float:
+    """The share of one process's Newton-Schulz matmul FLOPs that `rank` runs. Under DDP every
+    rank runs ceil(n / W) matrices of a stack of n, zeros padding the last shares (the all-gather
+    takes equal sizes); under FSDP a rank runs only the matrices it owns."""
+    def flops(stack, count):
+        m, n = stack.shape
+        return count * (4 * m * m * n + 2 * m ** 3)  # per iteration: X X^T, A A and (bA + cA^2) X
+    stacks = stacks_of(shapes)
+    mine = sum(flops(s, s.per_rank(nproc) if layout == "ddp" else len(s.owned(rank, nproc))) for s in stacks)
+    return mine / sum(flops(s, len(s.members)) for s in stacks)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout, nproc", [("ddp", 2), ("fsdp", 2), ("fsdp", 3)])
+@pytest.mark.parametrize("layout, nproc", [("ddp", 2), ("ddp", 3), ("fsdp", 2), ("fsdp", 3)])
 def test_split_over_ranks_gives_the_one_process_weights_bitwise(one_process, tmp_path, layout, nproc):
     """Given the same gradients, the split step equals the unsplit one bit for bit (measured on
     CPU: a stack's batched iteration rounds the same whether it holds all matrices or a
-    share). 3 FSDP ranks shard the 256-row matrices 86/86/84 rows."""
+    share), and each rank runs its share of the FLOPs. 3 ranks split the stacks of 4 matrices
+    2/2/0: DDP's rank 2 orthogonalises 2 zero matrices as padding; FSDP shards the 256-row
+    matrices 86/86/84 rows."""
+    shapes = [tuple(w.shape) for w in one_process["weights"].values()]
     for rank, result in enumerate(_worker_results(tmp_path, layout, nproc)):
         assert_bitwise_equal(result["weights"], one_process["weights"])
         share = result["flops"] / one_process["flops"]
+        assert share == pytest.approx(newton_schulz_share(shapes, layout, nproc, rank), rel=1e-9), \
+            f"rank {rank} ran {share:.3f} of the FLOPs"
         assert share <= 0.55 if nproc == 2 else share < 0.4, f"rank {rank} ran {share:.2f} of the FLOPs"
 
 
