@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader
 
 from common.errors import DataError
 from dataset.packed_dataset import PackedPretrainDataset, dtype_for_vocab, meta_path, read_meta, write_meta
+from dataset.shards import ShardedPackedDataset
 from scripts.prepare_data import prepare
 from tests import helpers_data
 from scripts.launching import REPO_ROOT
@@ -161,6 +162,40 @@ def test_a_token_id_past_the_models_vocab_is_one_line_at_open(tmp_path):
         PackedPretrainDataset(path, max_length=16, vocab_size=400)
     assert str(info.value).startswith(f"{path}: holds token id 450, but the model's vocab_size is 400 (ids 0 to 399)")
     assert PackedPretrainDataset(path, max_length=16, vocab_size=451)  # it fits a larger embedding
+
+
+@pytest.mark.parametrize("layout", ["manifest", "plain_directory"])
+def test_a_token_id_past_the_vocab_in_one_shard_names_that_shard_in_one_line(tmp_path, layout):
+    """A shard directory is checked file by file: the line names the shard that holds the id
+    (one of many, the one to re-make), not just the directory. Through the trainer, in-process:
+    exit code 2 and that one line, no traceback, before any step."""
+    from dataset.shards import write_manifest
+    from tests.assertions import error_lines
+    from tests.jobs import run_trainer
+    from tests.run_outputs import out_args
+    from tests.tiny import TINY
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    bad = np.full(2048, 9)
+    bad[1500] = 7000  # the sidecars say vocab 6400, the tokenizer's and the model's
+    for name, stream in (("00000-a.bin", np.full(2048, 9)), ("00001-b.bin", bad)):
+        write_stream(shards / name, stream, vocab_size=6400)
+    if layout == "manifest":  # as prepare_data.py leaves a finished directory
+        write_manifest(shards, {"dtype": "uint16", "vocab_size": 6400, "bos_token_id": 1, "eos_token_id": 2,
+                                "tokenizer": "hand-made"},
+                       [{"path": name, "num_tokens": 2048, "num_docs": 1} for name in ("00000-a.bin", "00001-b.bin")],
+                       runs=[])
+    message = f"{shards / '00001-b.bin'}: holds token id 7000, but the model's vocab_size is 6400 (ids 0 to 6399)"
+    with pytest.raises(DataError) as info:
+        ShardedPackedDataset(shards, max_length=16, vocab_size=6400)
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)
+    result = run_trainer([*TINY, *out_args(tmp_path / "run"), "--data_path", str(shards), "--max_steps", "2"],
+                         tmp_path / "run")
+    assert result.returncode == 2 and "Traceback" not in result.stdout, result.stdout[-3000:]
+    lines = error_lines(result.stdout)
+    assert len(lines) == 1 and lines[0].startswith(f"error: {message}"), result.stdout[-3000:]
+    assert "step 1/" not in result.stdout  # failed at open, before the first step
 
 
 def test_the_recorded_largest_id_is_trusted_only_for_the_file_it_was_counted_on(tmp_path):
