@@ -79,3 +79,18 @@ def test_wandb_records_the_accumulation_that_global_batch_size_implies():
     flags = settings.RunSettings("float32", "adamw", False).as_flags(args, accumulation_steps=2)
     assert (flags["accumulation_steps"], flags["dtype"], flags["optimizer"]) == (2, "float32", "adamw")
     assert args.accumulation_steps == 1  # the parsed flags are left as they were
+
+
+def test_the_trainer_logs_what_optimizer_auto_chose_and_why_in_one_line(tmp_path):
+    """An fp32 run on any CPU: Muon, with the rule and the criterion behind it on one log line."""
+    from tests.jobs import run_trainer
+    from tests.run_outputs import out_args
+    from tests.tiny import TINY, ensure_demo_corpus
+
+    ensure_demo_corpus()
+    result = run_trainer([*TINY, "--max_steps", "1", *out_args(tmp_path)], tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:]
+    lines = [line for line in result.stdout.splitlines() if "optimizer: muon (auto: " in line]
+    assert len(lines) == 1 and lines[0].endswith(
+        "optimizer: muon (auto: Newton-Schulz in fp32, the run's own precision, native here, "
+        f"where a Muon step costs at most {settings.MUON_STEP_BOUND}x an AdamW step)"), lines

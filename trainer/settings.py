@@ -33,14 +33,21 @@ def resolve_dtype(flag: str, device_type: str, cpu_flags=frozenset(), cuda_bf16:
     return "float32", "auto: the CPU lacks amx_bf16/avx512_bf16, where bf16 autocast is slower than fp32"
 
 
+# --optimizer auto's criterion: the most a Muon step may cost, in AdamW steps (see resolve_optimizer).
+MUON_STEP_BOUND = 1.25
+
+
 def resolve_optimizer(flag: str, device_type: str, dtype: str, cpu_flags=frozenset(),
                       param_groups: str = "split") -> tuple[str, str]:
     """(optimizer name, why) for --optimizer `flag`, once the run's dtype is known.
 
-    auto: Muon wherever its Newton-Schulz runs in a precision the hardware does natively,
-    which is where its step was measured at most 1.25x an AdamW step (scripts/bench_optimizer.py,
-    docs/performance.md): fp32 runs on every CPU, bf16 runs on CPUs and GPUs with native bf16.
-    AdamW where Newton-Schulz would run emulated or far below the run's own matmul rate.
+    auto: Muon wherever its Newton-Schulz runs in a precision the hardware does natively: fp32
+    runs on every CPU, bf16 runs on CPUs and GPUs with native bf16. AdamW where Newton-Schulz
+    would run emulated or far below the run's own matmul rate. The criterion behind the rule:
+    a Muon step costs at most MUON_STEP_BOUND (1.25) AdamW steps there. Its measurement is
+    recorded in docs/performance.md, section "Muon": the table of scripts/bench_pretrain.py's
+    variants b (the default, Muon) and k (AdamW), and scripts/bench_optimizer.py's step times
+    as a ratio to AdamW's.
     """
     if flag != "auto":
         return flag, "--optimizer"
@@ -53,7 +60,8 @@ def resolve_optimizer(flag: str, device_type: str, dtype: str, cpu_flags=frozens
         return "adamw", ("auto: bf16 is emulated on this CPU, where Muon's bf16 Newton-Schulz made a step "
                          "about 6x an AdamW step")
     precision = "bf16" if dtype == "bfloat16" else "fp32"
-    return "muon", f"auto: Newton-Schulz in {precision}, the run's own precision, native here"
+    return "muon", (f"auto: Newton-Schulz in {precision}, the run's own precision, native here, "
+                    f"where a Muon step costs at most {MUON_STEP_BOUND}x an AdamW step")
 
 
 def detect_dtype(flag: str, device: torch.device, sharded: bool = False) -> tuple[str, str]:
