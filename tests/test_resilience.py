@@ -12,9 +12,10 @@ import tempfile
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
-from torch.utils.data import Dataset, SequentialSampler
+from torch.utils.data import Dataset, SequentialSampler, get_worker_info
 
 from common.errors import UserError
 from tests.assertions import worker_tracebacks
@@ -82,6 +83,59 @@ def test_a_worker_that_stops_delivering_fails_the_rank_after_dist_timeout():
         next(delivered_batches(loader, args.dist_timeout, rank=1))
     assert str(info.value).startswith("rank 1: no batch from its DataLoader worker within --dist_timeout 0.5 s")
     assert len(str(info.value).splitlines()) == 1
+
+
+def test_a_stalled_worker_ends_a_real_run_in_one_line_naming_dist_timeout(tmp_path, monkeypatch):
+    """End to end: the trainer, in-process, with one DataLoader worker that delivers the first
+    batch and then stops. The run trains step 1, then ends with exit code 1 and the one line
+    within about --dist_timeout (2 s: room for the first batch on a loaded machine), instead
+    of waiting forever. The stall is injected into the forked worker by patching the dataset
+    class here, in the parent it is forked from: no hook in the product."""
+    import multiprocessing
+
+    from dataset.packed_dataset import PackedPretrainDataset, write_meta
+    from tests.assertions import error_lines
+    from tests.jobs import run_trainer
+    from tests.run_outputs import out_args
+    from tests.tiny import TINY
+    from trainer import train_pretrain
+
+    if multiprocessing.get_start_method() != "fork":
+        pytest.skip("the stall reaches the worker through fork; this platform starts workers another way")
+    data = tmp_path / "data.bin"
+    np.full(4096, 9, dtype=np.uint16).tofile(data)
+    write_meta(data, vocab_size=6400, num_tokens=4096, num_docs=1, bos_token_id=1, eos_token_id=2, tokenizer="hand-made")
+    release = multiprocessing.Event()  # inherited by the worker: ends its stall once the run has failed
+    read = PackedPretrainDataset.__getitem__
+    served = [0]  # the worker's own count, after the fork
+
+    def stalls_after_one_batch(self, index):
+        if get_worker_info() is not None:
+            served[0] += 1
+            if served[0] > 4:  # --batch_size 4: the first batch goes out, the second does not
+                release.wait(30)
+        return read(self, index)
+
+    def fail(*args, **kwargs):
+        # The loader's shutdown gives a worker 5 s to finish before it kills it, and the stalled
+        # one would use them all: let it go as the run gives up.
+        release.set()
+        real_fail(*args, **kwargs)
+
+    real_fail = train_pretrain.fail
+    monkeypatch.setattr(PackedPretrainDataset, "__getitem__", stalls_after_one_batch)
+    monkeypatch.setattr(train_pretrain, "fail", fail)
+    started = time.monotonic()
+    result = run_trainer([*TINY, *out_args(tmp_path / "run"), "--data_path", str(data), "--max_steps", "4",
+                          "--num_workers", "1", "--dist_timeout", "2"], tmp_path / "run", timeout=30)
+    seconds = time.monotonic() - started
+    assert result.returncode == 1 and "Traceback" not in result.stdout, result.stdout[-3000:]
+    assert error_lines(result.stdout) == [
+        "error: rank 0: no batch from its DataLoader worker within --dist_timeout 2 s (a worker that hangs, or waits "
+        "on a slow file system): check the data's disk and the workers' memory, raise --dist_timeout, or pass "
+        "--num_workers 0"], result.stdout[-3000:]
+    assert "step 1/4" in result.stdout and "step 2/4" not in result.stdout, result.stdout[-3000:]
+    assert seconds < 20, seconds  # well short of the worker's 30 s: the timeout ended the run
 
 
 class Dies(Dataset):
