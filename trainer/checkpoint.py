@@ -64,8 +64,7 @@ class CheckpointManager:
         self.folder, self.prefix, self.model_config = folder, prefix, model_config
         self.model, self.parts, self.keep_last, self.sharded = model, parts, keep_last, sharded
         self.weights_path, self.collectives = weights_path, collectives
-        # A part from outside the trainer may name no keys (lm_checkpoint's plain dict): it needs none.
-        self.needs = tuple(key for part in parts.values() for key in getattr(part, "keys", ()))
+        self.needs = tuple(key for part in parts.values() for key in part.keys)
 
     # ------------------------------------------------------------------ saving
     def save(self, global_step: int) -> str:

@@ -74,6 +74,7 @@ class _PlainState:
 
     def __init__(self, state: dict):
         self.state = state
+        self.keys = tuple(state)  # a checkpoint lacking one of them cannot restore this dict
 
     def state_dict(self) -> dict:
         return dict(self.state)
