@@ -330,7 +330,7 @@ def test_the_trainer_scores_the_task_beside_validation(trained_with_the_task, to
     assert_clean_exit(result.returncode, result.stdout, layout)
     rows = read_metrics(run_dir, kind="val")
     assert [row["step"] for row in rows] == [2, 4]
-    assert re.search(r"step 4: .*task acc \d\.\d{4} ± \d\.\d{4} acc_norm \d\.\d{4} \(402 items\)", result.stdout)
+    assert re.search(r"step 4: .*task acc \d\.\d{4} ± \d\.\d{4} acc_norm \d\.\d{4} ± \d\.\d{4} \(402 items\)", result.stdout)
     assert all(0 <= row["task_acc"] <= 1 and row["task_acc_stderr"] > 0 for row in rows)
     if layout == "fsdp":
         return  # its final weights are DCP shards; its score's path is the replicated one, checked to run

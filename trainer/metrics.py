@@ -235,7 +235,7 @@ class RunLogger:
             row.update(task_acc=task.acc, task_acc_norm=task.acc_norm, task_acc_stderr=task.acc_stderr,
                        task_acc_norm_stderr=task.acc_norm_stderr)
             parts.append(f"task acc {task.acc:.4f} ± {task.acc_stderr:.4f} acc_norm {task.acc_norm:.4f} "
-                         f"({task.n} items)")
+                         f"± {task.acc_norm_stderr:.4f} ({task.n} items)")
         row["train_s"] = self.clock.training_seconds()
         self.log(row, f"step {step}: " + " ".join(parts))
 
