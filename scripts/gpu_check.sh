@@ -1,35 +1,46 @@
 #!/usr/bin/env bash
-# The GPU check: one run, at most 10 minutes on a machine with one GPU (sized for an H200).
+# The GPU check: one run that ends within GPU_CHECK_BUDGET seconds (default 540), so it fits one
+# device command of at most 600 s on a machine with one GPU (sized for an H200), imports and
+# compilation included.
 #
-#   bash scripts/gpu_check.sh                 # writes the report to stdout, and to $OUT/gpu_check.txt when OUT is set
+#   bash scripts/gpu_check.sh        # the report on stdout; with OUT set, also $OUT/gpu_check.txt,
+#                                    # $OUT/gpu_check_logs/ (every part's log) and $OUT/variant_*.json
 #
-# 1. environment: torch, CUDA, the GPU and the bf16 peak MFU is measured against;
-# 2. flash attention: SDPA forced onto the flash kernel (sdpa_kernel(FLASH_ATTENTION)) for the
-#    model's own attention call, forward and backward, in bf16 at our head sizes; then the
-#    kernels the profiler sees when SDPA chooses by itself;
-# 3. the demo corpus and its packed .bin, built here (scripts/build_demo_corpus.py, prepare_data.py);
-# 4. the 64M model (hidden 768, 8 layers) at seq 1024 in bf16, one trainer run per variant
-#    through scripts/bench_pretrain.py: packed eager (b), compiled with the default optimizer
-#    (c: Muon) and with AdamW (i), compiled with --doc_mask (j), eager doc_mask (f), torchrun
-#    --nproc_per_node=1 on NCCL (d), FSDP under torchrun on 1 GPU (g), padded JSONL (a); one
-#    table row each (tokens/s, MFU and peak memory from the trainer's metrics jsonl), at the end;
-# 5. the --doc_mask kernels: scripts/bench_attention.py --device cuda (dense mask vs
-#    FlexAttention, forward+backward, and their outputs and gradients compared), run before (g);
-# 6. Muon's step alone: scripts/bench_optimizer.py --settings cuda (torch.optim.Muon against ours);
-# 7. the ratios the targets are stated in: c against i (Muon's cost), j against c (the document
-#    mask's), d against b (a 1-process torchrun against a plain process), and c's MFU.
-# A part that fails prints FAILED and the end of its log, and the rest still runs. Every part
-# gets at most what is left of the budget (GPU_CHECK_BUDGET seconds, default 450), and each
-# training variant at most GPU_CHECK_VARIANT_LIMIT seconds (default 150, compilation included).
+# The parts, most wanted first (GPU_CHECK_PLAN orders them; the budget may run out at the end):
+#   env        torch, CUDA, the GPU and the bf16 peak MFU is measured against;
+#   corpus, pack  the demo corpus and its packed .bin, built only when missing (carry
+#              dataset/demo_pretrain.jsonl and .bin to the machine to keep their time);
+#   b c i j d  the runs the targets' ratios need: the 64M model (hidden 768, 8 layers) at seq
+#              1024, batch 32, bf16, one trainer run each through scripts/bench_pretrain.py:
+#              packed eager (b), compiled with the default optimizer (c: Muon) and with AdamW
+#              (i), compiled with --doc_mask (j), torchrun --nproc_per_node=1 on NCCL (d);
+#   optimizer  Muon's step alone: scripts/bench_optimizer.py --settings cuda (AdamW, torch.optim.Muon, ours);
+#   then, as time allows:
+#   flash      SDPA forced onto the flash kernel (sdpa_kernel(FLASH_ATTENTION)) for the model's own
+#              attention call, forward and backward, in bf16 at our head sizes; then the kernels the
+#              profiler sees when SDPA chooses by itself;
+#   kernels    the --doc_mask kernels: scripts/bench_attention.py --device cuda (dense mask against
+#              FlexAttention, forward+backward, outputs and gradients compared);
+#   f g a      eager doc_mask (f), FSDP under torchrun on 1 GPU (g), padded JSONL (a).
+# It ends with a table (tokens/s, MFU and peak memory per variant, from the trainer's metrics) and
+# the ratios the targets are stated in: c/i >= 0.90 (Muon's cost), j/c >= 0.95 (the document
+# mask's), d/b >= 0.97 (a 1-process torchrun against a plain process), and c's MFU >= 35%.
+#
+# Time: every part has a cap (CAP below). The parts the ratios need and the optimizer bench also
+# have a floor (FLOOR): no part may take the floors of those still to come, so a slow compile
+# cannot crowd out a later ratio, and what a quick part leaves goes to the next. Caps and floors
+# are sized for the H200 at the default budget and scale with GPU_CHECK_BUDGET. A part that fails
+# or runs out of time prints FAILED and the end of its log, and the rest still runs.
 #
 # Needs only the repo and a Python with torch, transformers, tokenizers, numpy, safetensors, tqdm
-# (no network, no pip, no wandb): the demo corpus and its packed .bin are built here.
-# Environment: PYTHON (default python3); GPU_CHECK_DEVICE=cpu with small GPU_CHECK_HIDDEN,
-# GPU_CHECK_LAYERS, GPU_CHECK_SEQ, GPU_CHECK_BATCH, GPU_CHECK_STEPS, GPU_CHECK_WARMUP runs the
-# same plumbing on a CPU machine; GPU_CHECK_PLAN picks the parts (e.g. "b kernels").
-# What a CPU run cannot check: the flash kernel (part 2 is skipped), FlexAttention's backward
-# (none on CPU) and its CUDA kernels, NCCL, bf16 tensor-core speed, MFU (no peak on CPU), peak
-# GPU memory, and whether the compile of (c) fits its limit on the GPU machine.
+# (no network, no pip, no wandb). Environment: PYTHON (default python3); GPU_CHECK_DEVICE=cpu with
+# small GPU_CHECK_HIDDEN, GPU_CHECK_LAYERS, GPU_CHECK_SEQ, GPU_CHECK_BATCH, GPU_CHECK_STEPS,
+# GPU_CHECK_WARMUP runs the same plumbing on a CPU machine (hidden 64 x 2, seq 64, batch 4, 3
+# steps after 2: every part in 107-199 s on 2 cores); GPU_CHECK_PLAN picks and orders the parts
+# (e.g. "b c kernels").
+# What a CPU run cannot check: the flash kernel (skipped), FlexAttention's backward (none on
+# CPU) and its CUDA kernels, NCCL, bf16 tensor-core speed, MFU (no peak on CPU), peak GPU memory,
+# and whether the compiles of (c), (i) and (j) fit their caps on the GPU machine.
 set -u
 cd "$(dirname "$0")/.."
 
@@ -42,14 +53,22 @@ BATCH=${GPU_CHECK_BATCH:-32}
 STEPS=${GPU_CHECK_STEPS:-30}
 WARMUP=${GPU_CHECK_WARMUP:-10}
 BUDGET=${GPU_CHECK_BUDGET:-540}
-# What runs, in order, most wanted first (the budget may run out at the end): bench_pretrain.py's
-# variant letters, "kernels" for part 5 and "optimizer" for part 6.
-PLAN=${GPU_CHECK_PLAN:-b c i j d optimizer f kernels g a}
-VARIANT_LIMIT=${GPU_CHECK_VARIANT_LIMIT:-150}
-RESERVE=15                               # seconds kept for the final table
+PLAN=${GPU_CHECK_PLAN:-b c i j d optimizer flash kernels f g a}
+RESERVE=10                  # seconds kept for the final table (a Python without torch: about 1 s)
+KILL_AFTER=5                # timeout(1) sends SIGKILL this long after its SIGTERM
+# Seconds at the default budget of 540. The floors, with the caps of env, corpus and pack and
+# KILL_AFTER for each of these 9 parts, sum to 530 = 540 - RESERVE: even if every part before
+# it runs to its limit, each part the ratios need gets at least its floor.
+# c and j compile the model (j with FlexAttention); i finds c's kernels in inductor's cache.
+declare -A CAP=([env]=20 [corpus]=60 [pack]=25 [b]=90 [c]=150 [i]=120 [j]=150 [d]=90 [optimizer]=90
+                [flash]=60 [kernels]=90 [f]=90 [g]=90 [a]=90)
+declare -A FLOOR=([b]=50 [c]=90 [i]=60 [j]=90 [d]=50 [optimizer]=40)
+# bench_pretrain.py starts (imports) before its --timeout clock, and stops a timed-out trainer
+# with SIGTERM and up to 15 s of grace: its --timeout is a variant's limit less this margin.
+STOP_MARGIN=30
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
-REPORT_DIR=${OUT:-$WORK}
+REPORT_DIR=${OUT:-$WORK}    # the report, the logs and the variants' JSON, kept when OUT is set
 REPORT=$REPORT_DIR/gpu_check.txt
 LOGS=$REPORT_DIR/gpu_check_logs
 mkdir -p "$LOGS"
@@ -58,22 +77,38 @@ export TOKENIZERS_PARALLELISM=false
 
 say() { echo "$*" | tee -a "$REPORT"; }
 left() { echo $((BUDGET - SECONDS - RESERVE)); }
+scaled() { echo $(($1 * BUDGET / 540)); }
 
-# run NAME LIMIT CMD...: at most LIMIT seconds (and what is left of the budget); the output
-# goes to $LOGS/NAME.log and, on success, into the report; on failure FAILED and its last lines.
+# The floored parts of the plan not started yet.
+PENDING=" "
+for part in $PLAN; do [[ -n ${FLOOR[$part]:-} ]] && PENDING+="$part "; done
+
+# limit_for PART: sets LIMIT, the seconds PART may take now: its cap, within what is left of the
+# budget less the floors of the floored parts after it (each with the KILL_AFTER seconds that
+# timeout(1) may add). Not in a subshell: it updates PENDING.
+limit_for() {
+    local part=$1 reserved=$KILL_AFTER other
+    PENDING=${PENDING/ $part / }
+    for other in $PENDING; do reserved=$((reserved + $(scaled "${FLOOR[$other]}") + KILL_AFTER)); done
+    LIMIT=$(scaled "${CAP[$part]:-60}")
+    local room=$(($(left) - reserved))
+    (( LIMIT > room )) && LIMIT=$room
+}
+
+# run NAME LIMIT CMD...: at most LIMIT seconds (timeout(1)'s SIGTERM, its SIGKILL KILL_AFTER s
+# later); the output goes to $LOGS/NAME.log and, on success, into the report; on failure FAILED
+# and its last lines.
 run() {
     local name=$1 limit=$2; shift 2
-    local budget; budget=$(left)
-    (( limit > budget )) && limit=$budget
     if (( limit < 10 )); then say "[$name] SKIPPED: out of time (${SECONDS}s of ${BUDGET}s used)"; return 1; fi
     local start=$SECONDS
-    timeout -k 5 "$limit" "$@" > "$LOGS/$name.log" 2>&1
+    timeout -k "$KILL_AFTER" "$limit" "$@" > "$LOGS/$name.log" 2>&1
     local rc=$?
     if (( rc == 0 )); then
         # without progress bars (tqdm's '\r' updates) and Python warnings
         [[ -z ${QUIET:-} ]] && tr '\r' '\n' < "$LOGS/$name.log" | grep -v -e '%|' -e 'Warning' -e 'warnings.warn' \
             | grep -v '^ *$' | tee -a "$REPORT"
-        say "[$name] ok in $((SECONDS - start))s"
+        say "[$name] ok in $((SECONDS - start))s (limit ${limit}s)"
     else
         (( rc == 124 || rc == 137 )) && say "[$name] FAILED: timed out after ${limit}s" || say "[$name] FAILED: rc $rc"
         tr '\r' '\n' < "$LOGS/$name.log" | grep -v '^ *$' | tail -n 20 | sed 's/^/    /' | tee -a "$REPORT"
@@ -82,9 +117,11 @@ run() {
 }
 
 say "== gpu_check $(date -u +%FT%TZ): device $DEVICE, hidden $HIDDEN x $LAYERS layers, seq $SEQ, batch $BATCH, bf16"
+say "   budget ${BUDGET}s; plan: $PLAN"
 
-# ---------------------------------------------------------------- 1. environment
-run env 60 "$PYTHON" - "$DEVICE" <<'EOF'
+# ---------------------------------------------------------------- environment
+limit_for env
+run env "$LIMIT" "$PYTHON" - "$DEVICE" <<'EOF'
 import sys, torch
 from trainer.metrics import peak_bf16_tflops
 print(f"python {sys.version.split()[0]}, torch {torch.__version__}, CUDA {torch.version.cuda}")
@@ -99,9 +136,49 @@ except ImportError:
     print("wandb: not installed (the trainer imports it only with --use_wandb)")
 EOF
 
-# ---------------------------------------------------------------- 2. does SDPA take the flash kernel?
-if [[ $DEVICE == cuda ]]; then
-    run flash 90 "$PYTHON" - "$SEQ" <<'EOF'
+# ---------------------------------------------------------------- demo corpus and its packed .bin
+if [[ ! -s dataset/demo_pretrain.jsonl ]]; then
+    limit_for corpus
+    run corpus "$LIMIT" "$PYTHON" scripts/build_demo_corpus.py --jobs "$(nproc)"
+fi
+if [[ -s dataset/demo_pretrain.jsonl && ! -s dataset/demo_pretrain.bin ]]; then
+    limit_for pack
+    run pack "$LIMIT" "$PYTHON" scripts/prepare_data.py --data_path dataset/demo_pretrain.jsonl \
+        --out_path dataset/demo_pretrain.bin --num_proc "$(nproc)"
+fi
+have_data=0
+[[ -s dataset/demo_pretrain.jsonl && -s dataset/demo_pretrain.bin ]] && have_data=1
+
+# ---------------------------------------------------------------- the model, one trainer run per variant
+variant() {
+    local key=$1
+    limit_for "$key"
+    if (( ! have_data )); then say "[variant_$key] SKIPPED: no demo corpus (see corpus / pack above)"; return; fi
+    if (( LIMIT < STOP_MARGIN + 20 )); then
+        say "[variant_$key] SKIPPED: out of time (${SECONDS}s of ${BUDGET}s used)"; return
+    fi
+    # bench_pretrain stops its trainer at --timeout itself (SIGTERM, which torchrun passes on),
+    # well inside run's limit, so no trainer keeps the GPU. Its JSON feeds the final table.
+    QUIET=1 run "variant_$key" "$LIMIT" "$PYTHON" scripts/bench_pretrain.py --device "$DEVICE" --variants "$key" \
+        --nproc 1 --rounds 1 --steps "$STEPS" --warmup "$WARMUP" --hidden_size "$HIDDEN" \
+        --num_hidden_layers "$LAYERS" --max_seq_len "$SEQ" --batch_size "$BATCH" --dtype bfloat16 \
+        --timeout "$((LIMIT - STOP_MARGIN))" --out "$REPORT_DIR/variant_$key.json" --keep_logs "$LOGS"
+}
+
+# ---------------------------------------------------------------- Muon's step alone
+optimizer_step() {
+    local settings=cuda
+    [[ $DEVICE == cpu ]] && settings=one
+    limit_for optimizer
+    run optimizer "$LIMIT" "$PYTHON" scripts/bench_optimizer.py --settings "$settings" --hidden_size "$HIDDEN" \
+        --num_hidden_layers "$LAYERS" --steps 5
+}
+
+# ---------------------------------------------------------------- does SDPA take the flash kernel?
+flash_kernel() {
+    if [[ $DEVICE != cuda ]]; then say "[flash] SKIPPED on $DEVICE: the flash kernel exists only on CUDA"; return; fi
+    limit_for flash
+    run flash "$LIMIT" "$PYTHON" - "$SEQ" <<'EOF'
 import sys, torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
@@ -129,69 +206,32 @@ for hidden in (512, 768):
               "memory-efficient" if any("fmha" in n.lower() or "efficient" in n.lower() for n in names) else "math")
     print(f"head_dim {attn.head_dim}: SDPA left to choose ran: {chosen} ({'; '.join(n[:60] for n in names[:4])})")
 EOF
-else
-    say "[flash] SKIPPED on $DEVICE: the flash kernel exists only on CUDA"
-fi
-
-# ---------------------------------------------------------------- 3. demo corpus and its packed .bin
-if [[ ! -s dataset/demo_pretrain.jsonl ]]; then
-    run corpus 180 "$PYTHON" scripts/build_demo_corpus.py --jobs "$(nproc)"
-fi
-if [[ -s dataset/demo_pretrain.jsonl && ! -s dataset/demo_pretrain.bin ]]; then
-    run pack 120 "$PYTHON" scripts/prepare_data.py --data_path dataset/demo_pretrain.jsonl \
-        --out_path dataset/demo_pretrain.bin --num_proc "$(nproc)"
-fi
-
-# ---------------------------------------------------------------- 4. the 64M model, one run per variant
-variant() {
-    local key=$1 limit
-    limit=$(left)
-    (( limit > VARIANT_LIMIT )) && limit=$VARIANT_LIMIT
-    if (( limit < 45 )); then say "[variant_$key] SKIPPED: out of time (${SECONDS}s of ${BUDGET}s used)"; return; fi
-    # bench_pretrain stops a run at --timeout itself (SIGTERM to torchrun, which passes it on),
-    # well inside run's own limit (and stops it on SIGTERM), so no trainer keeps the GPU.
-    QUIET=1 run "variant_$key" "$limit" "$PYTHON" scripts/bench_pretrain.py --device "$DEVICE" --variants "$key" \
-        --nproc 1 --rounds 1 --steps "$STEPS" --warmup "$WARMUP" --hidden_size "$HIDDEN" \
-        --num_hidden_layers "$LAYERS" --max_seq_len "$SEQ" --batch_size "$BATCH" --dtype bfloat16 \
-        --timeout "$((limit - 50))" --out "$WORK/variant_$key.json" --keep_logs "$LOGS"
 }
 
-# ---------------------------------------------------------------- 5. dense mask vs FlexAttention
+# ---------------------------------------------------------------- dense mask vs FlexAttention
 doc_mask_kernels() {
-    run doc_mask_kernels 120 "$PYTHON" scripts/bench_attention.py --device "$DEVICE" --hidden_sizes "$HIDDEN" \
+    limit_for kernels
+    run doc_mask_kernels "$LIMIT" "$PYTHON" scripts/bench_attention.py --device "$DEVICE" --hidden_sizes "$HIDDEN" \
         --seq_lens "$SEQ" --batch_size "$BATCH" --repeats 10
 }
 
-# ---------------------------------------------------------------- 6. Muon's step alone
-optimizer_step() {
-    local settings=cuda
-    [[ $DEVICE == cpu ]] && settings=one
-    run optimizer 120 "$PYTHON" scripts/bench_optimizer.py --settings "$settings" --hidden_size "$HIDDEN" \
-        --num_hidden_layers "$LAYERS" --steps 5
-}
-
-have_data=0
-[[ -s dataset/demo_pretrain.jsonl && -s dataset/demo_pretrain.bin ]] && have_data=1
 for step in $PLAN; do
-    if [[ $step == kernels ]]; then
-        doc_mask_kernels
-    elif [[ $step == optimizer ]]; then
-        optimizer_step
-    elif (( have_data )); then
-        variant "$step"
-    else
-        say "[variant_$step] SKIPPED: no demo corpus (see corpus / pack above)"
-    fi
+    case $step in
+        optimizer) optimizer_step ;;
+        flash) flash_kernel ;;
+        kernels) doc_mask_kernels ;;
+        *) variant "$step" ;;
+    esac
 done
 
 # ---------------------------------------------------------------- the table
 say ""
 say "== the 64M-class model: hidden $HIDDEN, $LAYERS layers, seq $SEQ, batch $BATCH, bf16, $STEPS timed steps after $WARMUP"
-RESERVE=0 run table 15 "$PYTHON" - "$WORK" $PLAN <<'EOF'
+run table "$RESERVE" "$PYTHON" - "$REPORT_DIR" $PLAN <<'EOF'
 import json, sys
 from pathlib import Path
 
-work, keys = Path(sys.argv[1]), [key for key in sys.argv[2:] if key not in ("kernels", "optimizer")]
+work, keys = Path(sys.argv[1]), [key for key in sys.argv[2:] if key not in ("kernels", "optimizer", "flash")]
 print(f"{'variant':<30}{'tokens/s':>12}{'s/step':>9}{'MFU':>8}{'peak mem':>14}")
 done = {}
 for key in keys:
@@ -220,5 +260,7 @@ for what, top, bottom, target in [("Muon's cost: compiled default (c) / compiled
         print(f"{what}: not measured ({', '.join(k for k in (top, bottom) if k not in done)} did not run)")
 if "c" in done and done["c"]["mfu"] is not None:
     print(f"MFU of the compiled default (c): {done['c']['mfu']:.1%} (target >= 35% for the 64M model on an H200)")
+else:
+    print("MFU of the compiled default (c): not measured (" + ("no peak on CPU)" if "c" in done else "c did not run)"))
 EOF
 say "== gpu_check done in ${SECONDS}s"
