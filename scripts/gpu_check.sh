@@ -16,6 +16,8 @@
 #              (i), compiled with --doc_mask (j), torchrun --nproc_per_node=1 on NCCL (d);
 #   optimizer  Muon's step alone: scripts/bench_optimizer.py --settings cuda (AdamW, torch.optim.Muon, ours);
 #   then, as time allows:
+#   ddp        what DDP would cost a 1-GPU run, and its settings: scripts/bench_ddp.py (world size 1, NCCL;
+#              since (d) runs no DDP at all, this row is where DDP's own overhead shows);
 #   flash      SDPA forced onto the flash kernel (sdpa_kernel(FLASH_ATTENTION)) for the model's own
 #              attention call, forward and backward, in bf16 at our head sizes; then the kernels the
 #              profiler sees when SDPA chooses by itself;
@@ -53,7 +55,7 @@ BATCH=${GPU_CHECK_BATCH:-32}
 STEPS=${GPU_CHECK_STEPS:-30}
 WARMUP=${GPU_CHECK_WARMUP:-10}
 BUDGET=${GPU_CHECK_BUDGET:-540}
-PLAN=${GPU_CHECK_PLAN:-b c i j d optimizer flash kernels f g a}
+PLAN=${GPU_CHECK_PLAN:-b c i j d optimizer ddp flash kernels f g a}
 RESERVE=10                  # seconds kept for the final table (a Python without torch: about 1 s)
 KILL_AFTER=5                # timeout(1) sends SIGKILL this long after its SIGTERM
 # Seconds at the default budget of 540. The floors, with the caps of env, corpus and pack and
@@ -61,7 +63,7 @@ KILL_AFTER=5                # timeout(1) sends SIGKILL this long after its SIGTE
 # it runs to its limit, each part the ratios need gets at least its floor.
 # c and j compile the model (j with FlexAttention); i finds c's kernels in inductor's cache.
 declare -A CAP=([env]=20 [corpus]=60 [pack]=25 [b]=90 [c]=150 [i]=120 [j]=150 [d]=90 [optimizer]=90
-                [flash]=60 [kernels]=90 [f]=90 [g]=90 [a]=90)
+                [ddp]=60 [flash]=60 [kernels]=90 [f]=90 [g]=90 [a]=90)
 declare -A FLOOR=([b]=50 [c]=90 [i]=60 [j]=90 [d]=50 [optimizer]=40)
 # bench_pretrain.py starts (imports) before its --timeout clock, and stops a timed-out trainer
 # with SIGTERM and up to 15 s of grace: its --timeout is a variant's limit less this margin.
@@ -174,6 +176,13 @@ optimizer_step() {
         --num_hidden_layers "$LAYERS" --steps 5
 }
 
+# ---------------------------------------------------------------- DDP's own cost, at world size 1
+ddp_cost() {
+    limit_for ddp
+    run ddp "$LIMIT" "$PYTHON" scripts/bench_ddp.py --device "$DEVICE" --worlds 1 --hidden_size "$HIDDEN" \
+        --num_hidden_layers "$LAYERS" --max_seq_len "$SEQ" --batch_size "$BATCH" --dtype bfloat16 --steps 5
+}
+
 # ---------------------------------------------------------------- does SDPA take the flash kernel?
 flash_kernel() {
     if [[ $DEVICE != cuda ]]; then say "[flash] SKIPPED on $DEVICE: the flash kernel exists only on CUDA"; return; fi
@@ -218,6 +227,7 @@ doc_mask_kernels() {
 for step in $PLAN; do
     case $step in
         optimizer) optimizer_step ;;
+        ddp) ddp_cost ;;
         flash) flash_kernel ;;
         kernels) doc_mask_kernels ;;
         *) variant "$step" ;;
@@ -231,7 +241,7 @@ run table "$RESERVE" "$PYTHON" - "$REPORT_DIR" $PLAN <<'EOF'
 import json, sys
 from pathlib import Path
 
-work, keys = Path(sys.argv[1]), [key for key in sys.argv[2:] if key not in ("kernels", "optimizer", "flash")]
+work, keys = Path(sys.argv[1]), [key for key in sys.argv[2:] if key not in ("kernels", "optimizer", "ddp", "flash")]
 print(f"{'variant':<30}{'tokens/s':>12}{'s/step':>9}{'MFU':>8}{'peak mem':>14}")
 done = {}
 for key in keys:
