@@ -6,7 +6,9 @@ BlockMask, through the model's own Attention code, side by side in one run.
 
 Each row times one attention layer's core (q, k, v already projected: 8 query heads,
 4 key/value heads) at a given hidden size and sequence length, forward alone and
-forward+backward, plus the cost of building the mask once. Documents are drawn with the demo
+forward+backward, plus the cost of building the mask once; a second table times the
+BlockMask read off the document boundaries (the trainer's) against create_block_mask, which
+evaluates the mask at every position (what the trainer did before). Documents are drawn with the demo
 corpus's mean length (143 tokens). Causal SDPA without any document mask is the
 reference for what a mask costs. On CPU FlexAttention has no backward (torch raises
 NotImplementedError), so only its forward is timed there; --check compares the two masks'
@@ -21,7 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from model.document_mask import dense_document_mask, document_block_mask  # noqa: E402
+from torch.nn.attention.flex_attention import create_block_mask  # noqa: E402
+
+from model.document_mask import dense_document_mask, document_block_mask, document_ids  # noqa: E402
 from model.model_minimind import Attention, MiniMindConfig  # noqa: E402
 from trainer.cli import OneLineArgumentParser  # noqa: E402
 
@@ -38,6 +42,7 @@ def parse_args(argv=None):
     p.add_argument("--seq_lens", default="340,1024")
     p.add_argument("--batch_size", type=int, default=4)
     p.add_argument("--repeats", type=int, default=5, help="timed calls per cell (median)")
+    p.add_argument("--mask_batch_sizes", default="4,32", help="batch sizes of the mask-build table")
     p.add_argument("--check", type=int, default=1, choices=[0, 1], help="compare flex and dense outputs/gradients")
     return p.parse_args(argv)
 
@@ -141,6 +146,28 @@ def print_table(rows, args, dtype):
             print(f"  hidden {r['hidden']} seq {r['seq']}: " + ", ".join(f"{k} {v:.2e}" for k, v in r["check"].items()))
 
 
+def evaluated_block_mask(ids):
+    """The same BlockMask by create_block_mask, which evaluates the mask function at all T x T positions."""
+    doc = document_ids(ids, BOS)
+
+    def causal_same_document(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (doc[b, q_idx] == doc[b, kv_idx])
+    return create_block_mask(causal_same_document, ids.shape[0], None, ids.shape[1], ids.shape[1], device=ids.device)
+
+
+def print_mask_builds(args):
+    builders = {"dense (B,1,T,T)": lambda ids: dense_document_mask(ids, BOS),
+                "BlockMask from boundaries": lambda ids: document_block_mask(ids, BOS),
+                "create_block_mask": evaluated_block_mask}
+    print(f"\nbuilding the mask once, ms (median of {args.repeats})\n")
+    print(f"{'batch':>6}{'seq':>6}" + "".join(f"{name:>28}" for name in builders))
+    for batch in map(int, args.mask_batch_sizes.split(",")):
+        for seq_len in map(int, args.seq_lens.split(",")):
+            ids = packed_ids(batch, seq_len, args.device)
+            times = [median_ms(lambda: build(ids), args.device, args.repeats) for build in builders.values()]
+            print(f"{batch:>6}{seq_len:>6}" + "".join(f"{t:>28.2f}" for t in times), flush=True)
+
+
 def main(argv=None):
     args = parse_args(argv)
     dtype = getattr(torch, args.dtype or ("bfloat16" if torch.device(args.device).type == "cuda" else "float32"))
@@ -150,6 +177,7 @@ def main(argv=None):
             print(f"hidden {hidden} seq {seq_len} ...", file=sys.stderr, flush=True)
             rows += run_cell(hidden, seq_len, args, dtype)
     print_table(rows, args, dtype)
+    print_mask_builds(args)
 
 
 if __name__ == "__main__":
