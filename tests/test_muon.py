@@ -60,6 +60,21 @@ def test_newton_schulz_orthogonalises():
     assert singular.min() > 0.5 and singular.max() < 1.5
 
 
+def test_the_newton_schulz_flop_formula_is_what_torch_counts():
+    """newton_schulz_flops, which --optimizer auto weighs against the step, against FlopCounterMode."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from trainer.muon import newton_schulz_flops
+
+    shapes = [(64, 64), (32, 64), (256, 64), (64, 256), (96, 40)]
+    params = [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    with FlopCounterMode(display=False) as counted:
+        Muon(params).step()
+    assert newton_schulz_flops(shapes) == counted.get_total_flops()
+
+
 def test_one_stack_per_wide_shape_with_tall_matrices_transposed():
     model = MiniMindForCausalLM(MiniMindConfig(hidden_size=64, num_hidden_layers=2, vocab_size=512))
     named = [(n, p) for n, p in model.named_parameters() if is_block_matrix(n, p)]

@@ -52,6 +52,12 @@ def newton_schulz(x: torch.Tensor, coefficients=NS_COEFFICIENTS, steps: int = NS
     return x
 
 
+def newton_schulz_flops(shapes, steps: int = NS_STEPS) -> int:
+    """Matmul FLOPs of one orthogonalisation of matrices of these shapes, as newton_schulz runs
+    them (wide, m <= n): per step X X^T (2m^2n), A A (2m^3) and B X (2m^2n)."""
+    return sum(steps * (4 * min(s) ** 2 * max(s) + 2 * min(s) ** 3) for s in shapes)
+
+
 def adjusted_lr(lr: float, shape) -> float:
     """torch.optim.Muon's default ("original") scale: tall matrices take larger steps."""
     rows, cols = shape

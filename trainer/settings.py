@@ -7,8 +7,12 @@ from dataclasses import dataclass
 
 import torch
 
+from model.model_minimind import MiniMindForCausalLM, count_parameters
 from trainer.device import cuda_has_native_bf16, native_bf16_cpu_flags, read_cpu_flags
 from trainer.distributed import Logger
+from trainer.metrics import flops_per_token
+from trainer.muon import newton_schulz_flops
+from trainer.optim import is_block_matrix
 
 
 def resolve_dtype(flag: str, device_type: str, cpu_flags=frozenset(), cuda_bf16: bool = True,
@@ -38,16 +42,16 @@ MUON_STEP_BOUND = 1.25
 
 
 def resolve_optimizer(flag: str, device_type: str, dtype: str, cpu_flags=frozenset(),
-                      param_groups: str = "split") -> tuple[str, str]:
+                      param_groups: str = "split", muon_share: float = 0.0) -> tuple[str, str]:
     """(optimizer name, why) for --optimizer `flag`, once the run's dtype is known.
 
-    auto: Muon wherever its Newton-Schulz runs in a precision the hardware does natively: fp32
-    runs on every CPU, bf16 runs on CPUs and GPUs with native bf16. AdamW where Newton-Schulz
-    would run emulated or far below the run's own matmul rate. The criterion behind the rule:
-    a Muon step costs at most MUON_STEP_BOUND (1.25) AdamW steps there. Its measurement is
-    recorded in docs/performance.md, section "Muon": the table of scripts/bench_pretrain.py's
-    variants b (the default, Muon) and k (AdamW), and scripts/bench_optimizer.py's step times
-    as a ratio to AdamW's.
+    auto: Muon where a Muon step costs at most MUON_STEP_BOUND (1.25) AdamW steps. That takes
+    two things. Newton-Schulz must run in a precision the hardware does natively: fp32 runs
+    on every CPU, bf16 runs on CPUs and GPUs with native bf16 (not fp16 runs, whose
+    Newton-Schulz would be fp32, nor emulated bf16). And it must add little work to the step:
+    `muon_share`, its FLOPs over the forward and backward FLOPs of the same optimizer step
+    (muon_flop_share), at most 0.25. Measured in docs/performance.md, section "Muon": the
+    step-time ratio follows muon_share in fp32 and stays below it in bf16 on CPU.
     """
     if flag != "auto":
         return flag, "--optimizer"
@@ -59,9 +63,26 @@ def resolve_optimizer(flag: str, device_type: str, dtype: str, cpu_flags=frozens
     if dtype == "bfloat16" and device_type == "cpu" and not native_bf16_cpu_flags(cpu_flags):
         return "adamw", ("auto: bf16 is emulated on this CPU, where Muon's bf16 Newton-Schulz made a step "
                          "about 6x an AdamW step")
+    allowed = MUON_STEP_BOUND - 1
+    if muon_share > allowed:
+        return "adamw", (f"auto: Muon's Newton-Schulz would add {muon_share:.0%} to each step's FLOPs, over the "
+                         f"{allowed:.0%} it may; more tokens per step (--batch_size, --accumulation_steps) lower "
+                         f"it, --optimizer muon takes it anyway")
     precision = "bf16" if dtype == "bfloat16" else "fp32"
-    return "muon", (f"auto: Newton-Schulz in {precision}, the run's own precision, native here, "
-                    f"where a Muon step costs at most {MUON_STEP_BOUND}x an AdamW step")
+    return "muon", (f"auto: Newton-Schulz in {precision}, native here, adds {muon_share:.0%} to each step's "
+                    f"FLOPs, within the {allowed:.0%} it may")
+
+
+def muon_flop_share(config, tokens_per_step: int, seq_len: int) -> float:
+    """Newton-Schulz FLOPs of one Muon step over the forward and backward FLOPs of the optimizer
+    step (tokens_per_step tokens in all ranks' micro-batches; Muon's work is split across DDP
+    ranks as the tokens are, so the share does not depend on the world size). The model is
+    built on the meta device: shapes only, no memory."""
+    with torch.device("meta"):
+        model = MiniMindForCausalLM(config)
+    shapes = [tuple(p.shape) for name, p in model.named_parameters() if is_block_matrix(name, p)]
+    step_flops = flops_per_token(config, count_parameters(model)[1], seq_len) * tokens_per_step
+    return newton_schulz_flops(shapes) / step_flops
 
 
 def detect_dtype(flag: str, device: torch.device, sharded: bool = False) -> tuple[str, str]:
@@ -71,10 +92,12 @@ def detect_dtype(flag: str, device: torch.device, sharded: bool = False) -> tupl
                          cuda_bf16=cuda_has_native_bf16(device) if on_cuda else False, sharded=sharded)
 
 
-def detect_optimizer(flag: str, device: torch.device, dtype: str, param_groups: str = "split") -> tuple[str, str]:
+def detect_optimizer(flag: str, device: torch.device, dtype: str, param_groups: str = "split",
+                     muon_share: float = 0.0) -> tuple[str, str]:
     """resolve_optimizer with this machine's facts."""
     cpu_flags = read_cpu_flags() if device.type == "cpu" else frozenset()
-    return resolve_optimizer(flag, device.type, dtype, cpu_flags=cpu_flags, param_groups=param_groups)
+    return resolve_optimizer(flag, device.type, dtype, cpu_flags=cpu_flags, param_groups=param_groups,
+                             muon_share=muon_share)
 
 
 @dataclass(frozen=True)
@@ -100,10 +123,17 @@ class RunSettings:
                 "accumulation_steps": accumulation_steps}
 
 
-def resolve_settings(args, env) -> RunSettings:
-    sharded = args.parallel == "fsdp" and env.distributed
+def is_sharded(args, env) -> bool:
+    """FSDP over several processes: sharded weights, optimizer state and checkpoints."""
+    return args.parallel == "fsdp" and env.distributed
+
+
+def resolve_settings(args, env, config, tokens_per_step: int) -> RunSettings:
+    """The run's settings for the model `config` training on tokens_per_step tokens per optimizer step."""
+    sharded = is_sharded(args, env)
     dtype, why = detect_dtype(args.dtype, env.device, sharded=sharded)
     Logger(f"dtype: {dtype} ({why})")
-    optimizer, why = detect_optimizer(args.optimizer, env.device, dtype, args.param_groups)
+    share = muon_flop_share(config, tokens_per_step, args.max_seq_len) if args.optimizer == "auto" else 0.0
+    optimizer, why = detect_optimizer(args.optimizer, env.device, dtype, args.param_groups, share)
     Logger(f"optimizer: {optimizer} ({why})")
     return RunSettings(dtype, optimizer, sharded)

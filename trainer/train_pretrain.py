@@ -40,7 +40,7 @@ from trainer.preflight import check_output_dirs, check_worker_tmpdir  # noqa: E4
 from trainer.profiling import Profiling  # noqa: E402
 from trainer.run_files import run_prefix, weights_path  # noqa: E402
 from trainer.save_schedule import SaveSchedule  # noqa: E402
-from trainer.settings import RunSettings, resolve_settings  # noqa: E402
+from trainer.settings import RunSettings, is_sharded, resolve_settings  # noqa: E402
 from trainer.stateful import ModelState, RNGState, ScalerState  # noqa: E402
 from trainer.step import Requests, StepContext, StepTotals, optimizer_step  # noqa: E402
 from trainer.train_state import TrainState, plan_steps  # noqa: E402
@@ -50,14 +50,9 @@ from trainer.trainer_utils import (  # noqa: E402  MiniMind's entry points
 
 
 def train(args, env) -> int:
-    # ------------------------------------------------------------------ 1. settings
-    settings = resolve_settings(args, env)
-    configure_cuda(env.device, settings.torch_dtype)
-    autocast = settings.autocast(env.device)
+    # ------------------------------------------------------------------ 1. output folders, tokenizer, model config, data
     world_size, rank = env.world_size, env.rank
-    check_output_dirs(args.save_dir, args.checkpoint_dir, settings.sharded)
-
-    # ------------------------------------------------------------------ 2. tokenizer, model config, data
+    check_output_dirs(args.save_dir, args.checkpoint_dir, is_sharded(args, env))
     tokenizer = load_tokenizer(args.tokenizer_path)
     config = model_config_from_args(args, args.vocab_size)
     check_model_fits(args, tokenizer, config)
@@ -66,6 +61,11 @@ def train(args, env) -> int:
     task = encode_task(tokenizer, load_task(args.eval_task)) if args.eval_task else None  # a bad file stops here
     plan = plan_steps(args, len(data.train), world_size)
     total_steps = plan.total_steps
+
+    # ------------------------------------------------------------------ 2. settings: what auto becomes here
+    settings = resolve_settings(args, env, config, plan.samples_per_step * args.max_seq_len)
+    configure_cuda(env.device, settings.torch_dtype)
+    autocast = settings.autocast(env.device)
 
     # ------------------------------------------------------------------ 3. model, parallelism, optimizer
     parts = build_parts(args, env, config, settings)
