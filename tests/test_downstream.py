@@ -310,14 +310,17 @@ def test_lm_eval_agrees_with_our_scorer(tiny, tokenizer, monkeypatch, keep_rando
 # ---------------------------------------------------------------------------- in the training loop
 @pytest.fixture(scope="module")
 def trained_with_the_task(tmp_path_factory):
-    """The same 4-step run with --eval_task in one process, as 2 DDP ranks and as 2 FSDP ranks."""
+    """The same 4-step run with --eval_task in one process, as 2 DDP ranks and as 2 FSDP ranks,
+    on the task's first 41 items (an odd count, so the DDP ranks' shares differ in size)."""
     root = tmp_path_factory.mktemp("eval_task")
+    task = root / "task.jsonl"
+    task.write_text("".join(TASK.read_text().splitlines(keepends=True)[:41]))
     flags = [*TINY, "--max_steps", "4", "--eval_interval", "2", "--global_batch_size", "8",
-             "--eval_task", str(TASK)]
+             "--eval_task", str(task)]
     specs = {"single": JobSpec([*flags, *out_args(root / "single")], root / "single", 1, "inprocess"),
              "ddp": JobSpec([*flags, *out_args(root / "ddp")], root / "ddp", 2, "forked"),
              "fsdp": JobSpec([*flags, *out_args(root / "fsdp"), "--parallel", "fsdp"], root / "fsdp", 2, "forked")}
-    return {name: (specs[name].run_dir, result) for name, result in run_all(specs, timeout=300).items()}
+    return task, {name: (specs[name].run_dir, result) for name, result in run_all(specs, timeout=300).items()}
 
 
 @pytest.mark.slow
@@ -326,16 +329,17 @@ def test_the_trainer_scores_the_task_beside_validation(trained_with_the_task, to
     """--eval_task puts acc and acc_norm in the log and the metrics at every validation; the
     score summed over the DDP ranks' shares (FSDP: every rank scores every item) is the one
     a single process gets from the same final weights."""
-    run_dir, result = trained_with_the_task[layout]
+    task, runs = trained_with_the_task
+    run_dir, result = runs[layout]
     assert_clean_exit(result.returncode, result.stdout, layout)
     rows = read_metrics(run_dir, kind="val")
     assert [row["step"] for row in rows] == [2, 4]
-    assert re.search(r"step 4: .*task acc \d\.\d{4} ± \d\.\d{4} acc_norm \d\.\d{4} ± \d\.\d{4} \(402 items\)", result.stdout)
+    assert re.search(r"step 4: .*task acc \d\.\d{4} ± \d\.\d{4} acc_norm \d\.\d{4} ± \d\.\d{4} \(41 items\)", result.stdout)
     assert all(0 <= row["task_acc"] <= 1 and row["task_acc_stderr"] > 0 for row in rows)
     if layout == "fsdp":
         return  # its final weights are DCP shards; its score's path is the replicated one, checked to run
     model = load_model_from_checkpoint(latest_checkpoint(run_dir))
-    expected = evaluate_task(model, encode_task(tokenizer, load_task(TASK)))
+    expected = evaluate_task(model, encode_task(tokenizer, load_task(task)))
     assert (rows[-1]["task_acc"], rows[-1]["task_acc_norm"]) == (expected.acc, expected.acc_norm)
 
 
