@@ -87,7 +87,7 @@ def test_out_of_memory_writes_a_snapshot_and_still_fails(tmp_path, fake_cuda_mem
     args = SimpleNamespace(save_dir=str(tmp_path), profile_steps=None, profile_ranks="0", memory_snapshot=1)
     profiling = Profiling(args, "run", 1, torch.device("cuda", 1), start_step=0, total_steps=100)
     with pytest.raises(torch.OutOfMemoryError):
-        with profiling.out_of_memory_snapshot(lambda: 7):
+        with profiling.running(lambda: 6):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     assert (tmp_path / "profile" / "run_memory_oom_step7_rank1.pickle").read_bytes() == b"snapshot"
 
@@ -97,3 +97,21 @@ def test_memory_snapshot_on_cpu_is_one_line(tmp_path):
     assert run.returncode == 2
     assert "error: --memory_snapshot 1 records CUDA allocations, and this run is on the CPU" in run.stdout
     assert "Traceback" not in run.stdout
+
+
+def test_a_run_that_stops_inside_the_window_writes_what_it_traced(tmp_path):
+    """A preempted, failed or resumed run traces the steps it really ran, named by them."""
+    args = SimpleNamespace(save_dir=str(tmp_path), profile_steps=(2, 6), profile_ranks="0", memory_snapshot=0)
+    profiling = Profiling(args, "run", 0, torch.device("cpu"), start_step=2, total_steps=20)  # resumed at 2
+    done = 2
+    with pytest.raises(KeyboardInterrupt):
+        with profiling.running(lambda: done):
+            for step in (3, 4):
+                profiling.step_begins(step)
+                torch.ones(4).add_(1)
+                profiling.step_ended(step)
+                done = step
+            raise KeyboardInterrupt  # stopped during step 5
+    names = {e.get("name") for e in trace_events(tmp_path / "profile" / "run_steps3-4_rank0.pt.trace.json.gz")}
+    # Steps 3 and 4, and the start of step 5, where it stopped.
+    assert {"ProfilerStep#3", "ProfilerStep#4", "ProfilerStep#5"} <= names and "ProfilerStep#6" not in names

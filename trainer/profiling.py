@@ -34,7 +34,8 @@ def step_window(text: str) -> tuple[int, int]:
 
 class Profiling:
     """Starts and stops the profiler and the memory recorder around the loop's steps. The loop
-    calls step_begins(step) before optimizer step `step` and step_ended(step) after it."""
+    calls step_begins(step) before optimizer step `step` and step_ended(step) after it, all
+    inside running()."""
 
     def __init__(self, args, prefix: str, rank: int, device: str, start_step: int, total_steps: int):
         self.folder = os.path.join(args.save_dir, "profile")
@@ -44,7 +45,7 @@ class Profiling:
         self.window = clip(args.profile_steps) if args.profile_ranks == "all" or rank == 0 else None
         self.memory = bool(args.memory_snapshot)
         self.memory_window = clip(args.profile_steps or DEFAULT_MEMORY_WINDOW) if self.memory else None
-        self.profiler, self.recording = None, False
+        self.profiler, self.traced_from, self.recording = None, None, False
         for what, window in (("--profile_steps", args.profile_steps), ("--memory_snapshot", self.memory_window)):
             if window and window[1] <= start_step:
                 Logger(f"profile: {what} covers steps {window[0]}-{window[1]}, already trained (the run "
@@ -59,41 +60,55 @@ class Profiling:
             self.profiler = torch.profiler.profile(activities=activities, record_shapes=True,
                                                    schedule=lambda _: torch.profiler.ProfilerAction.RECORD)
             self.profiler.step_num = step  # the marks then carry the log's step numbers
+            self.traced_from = step  # the window's first step, or the first after a resume inside it
             self.profiler.start()
         if self.memory_window and not self.recording and self.memory_window[0] <= step <= self.memory_window[1]:
             torch.cuda.memory._record_memory_history(max_entries=MEMORY_EVENTS)
             self.recording = True
 
     def step_ended(self, step: int):
-        if self.profiler is not None:
-            if step < self.window[1]:
-                self.profiler.step()
-            else:
-                self.profiler.stop()
-                first, last = self.window
-                path = self._path(f"steps{first}-{last}_rank{self.rank}.pt.trace.json.gz")
-                self.profiler.export_chrome_trace(path)
-                self.profiler, self.window = None, None
-                Logger(f"profile: steps {first}-{last} traced in {path} (https://ui.perfetto.dev, or tensorboard "
-                       f"--logdir {self.folder})")
+        if self.profiler is not None and step < self.window[1]:
+            self.profiler.step()
+        elif self.profiler is not None:
+            self._write_trace(step)
         if self.recording and step == self.memory_window[1]:
-            path = self._dump_memory(f"memory_rank{self.rank}.pickle")
-            torch.cuda.memory._record_memory_history(enabled=None)
-            self.recording, self.memory_window = False, None
-            Logger(f"profile: CUDA memory snapshot of steps up to {step} in {path} (https://pytorch.org/memory_viz)")
+            self._write_memory(step)
 
     @contextmanager
-    def out_of_memory_snapshot(self, step_of):
-        """Around the loop: with --memory_snapshot, an out-of-memory error first writes the
-        allocator's state (what holds the memory at the moment of failure), then goes on up."""
+    def running(self, steps_done):
+        """Around the loop. A run that ends inside a window (preempted, stopped by a bad step or
+        an error) still writes what was recorded: up to its last finished step, steps_done(), which
+        names the file, and the part of the next step it ran.
+        With --memory_snapshot an out-of-memory error first writes the allocator's state (what
+        holds the memory at that moment; with the stack of each allocation only inside the
+        window, where the history is recorded), then goes on up."""
         try:
             yield
         except torch.OutOfMemoryError:
             if self.memory:
-                path = self._dump_memory(f"memory_oom_step{step_of()}_rank{self.rank}.pickle")
-                print(f"profile: out of memory at step {step_of()}; allocator snapshot in {path} "
+                path = self._dump_memory(f"memory_oom_step{steps_done() + 1}_rank{self.rank}.pickle")
+                print(f"profile: out of memory at step {steps_done() + 1}; allocator snapshot in {path} "
                       f"(https://pytorch.org/memory_viz)", flush=True)
             raise
+        finally:
+            if self.profiler is not None:
+                self._write_trace(steps_done())
+            if self.recording:
+                self._write_memory(steps_done())
+
+    def _write_trace(self, last: int):
+        self.profiler.stop()
+        path = self._path(f"steps{self.traced_from}-{last}_rank{self.rank}.pt.trace.json.gz")
+        self.profiler.export_chrome_trace(path)
+        self.profiler, self.window = None, None
+        Logger(f"profile: steps {self.traced_from}-{last} traced in {path} (https://ui.perfetto.dev, or "
+               f"tensorboard --logdir {self.folder})")
+
+    def _write_memory(self, last: int):
+        path = self._dump_memory(f"memory_rank{self.rank}.pickle")
+        torch.cuda.memory._record_memory_history(enabled=None)
+        self.recording, self.memory_window = False, None
+        Logger(f"profile: CUDA memory snapshot of steps up to {last} in {path} (https://pytorch.org/memory_viz)")
 
     def _dump_memory(self, name: str) -> str:
         path = self._path(name)

@@ -116,7 +116,7 @@ def train(args, env) -> int:
     # ------------------------------------------------------------------ 6. train
     bad_steps, totals = 0, StepTotals(env.device)
     steps = global_batches(loader, sampler, plan, start_step, args.dist_timeout, rank)
-    with profiling.out_of_memory_snapshot(lambda: state.global_step + 1):
+    with profiling.running(lambda: state.global_step):
         while state.global_step < total_steps:
             epoch, micro_batches = next(steps)
             hooks.before_step(state.global_step)
