@@ -150,12 +150,7 @@ def train(args, env) -> int:
                 log.log_train(step, epoch, loss, aux, lrs, state.tokens_seen, tok_s, real_tok_s, mfu)
             with clock.paused(eval_now or save_now):  # tokens/s, MFU and train_s count training time only
                 if eval_now:
-                    val, scores = None, None
-                    if val_loader is not None:
-                        val = evaluate(parts.net, val_loader, autocast, env.device, byte_lengths)
-                    if task is not None:
-                        scores = evaluate_task_in_group(parts.net, task, env.device, autocast, rank, world_size,
-                                                        settings.sharded)
+                    val, scores = validate(parts.net, val_loader, task, autocast, env, byte_lengths, settings.sharded)
                 if save_now:
                     checkpoints.save(step)
                     saves.saved()
@@ -238,6 +233,17 @@ def global_batches(loader, sampler, plan, start_step: int, dist_timeout: float, 
         for _ in range(plan.steps_per_epoch - where.step_in_epoch):
             yield where.epoch, [next(batches) for _ in range(plan.accumulation_steps)]
             step += 1
+
+
+def validate(net, val_loader, task, ctx, env, byte_lengths, sharded: bool):
+    """(val loss and bits per byte, the task's scores), each None where the run has no such data.
+    Both are collectives: every rank calls this at the same steps."""
+    val, scores = None, None
+    if val_loader is not None:
+        val = evaluate(net, val_loader, ctx, env.device, byte_lengths)
+    if task is not None:
+        scores = evaluate_task_in_group(net, task, env.device, ctx, env.rank, env.world_size, sharded)
+    return val, scores
 
 
 @torch.no_grad()
