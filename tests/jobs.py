@@ -9,6 +9,8 @@ side by side. Every mode gives the same job protocol (poll, wait, kill, output):
     "torchrun"    `torchrun --nproc_per_node=N` (launcher_args: its flags) 7-9 s          launcher, restarts, rendezvous
     "legacy"      `python -m torch.distributed.launch`                     7-9 s          the legacy launcher
 
+and run_nodes(...) for one job over several one-process torchrun "nodes", each in its own folder.
+
 A job's output (stdout and stderr merged) goes to {run_dir}.log, or to memory in-process.
 """
 import io
@@ -50,7 +52,8 @@ class JobSpec:
     mode: str = "python"
     env: dict | None = None
     launcher_args: tuple = ()  # torchrun's own flags, e.g. ("--max-restarts=3",)
-    script: Path = TRAIN
+    script: Path = TRAIN  # relative: to cwd
+    cwd: Path | None = None  # where a launched job starts (default: run_dir)
 
 
 # ---------------------------------------------------------------------------- running
@@ -106,6 +109,27 @@ def run_all(specs: dict, at_once: int = 2, timeout: float = 180) -> dict:
     return done
 
 
+def run_nodes(flags, node_dirs, env=None, timeout: float = 240, script=TRAIN) -> list[Finished]:
+    """One job over len(node_dirs) "nodes" on 127.0.0.1: a one-process torchrun each, started in
+    its own folder (a node's own disk), meeting on a port agreed in advance as separate machines
+    must. Every node still running at `timeout` (or when the caller is interrupted) is killed."""
+    from scripts.elastic_agents import agreed_port
+
+    with agreed_port() as port:
+        jobs = []
+        try:
+            for rank, node in enumerate(node_dirs):
+                where = (f"--nnodes={len(node_dirs)}", f"--node_rank={rank}", "--master_addr=127.0.0.1",
+                         f"--master_port={port}")
+                jobs.append(ProcessJob(JobSpec(list(flags), Path(node), 1, "torchrun", env, where, Path(script))))
+            codes = [job.wait(timeout) for job in jobs]
+        finally:
+            for job in jobs:
+                if job.poll() is None:
+                    job.kill()
+    return [Finished(code, job.output()) for code, job in zip(codes, jobs)]
+
+
 class SharedRuns:
     """Uninterrupted runs that several test files need with the same flags, each run once
     per pytest session (conftest.py's `shared_runs` fixture holds the one instance):
@@ -139,7 +163,7 @@ class ProcessJob:
         spec.run_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = Path(f"{spec.run_dir}.log")
         with open(self.log_path, "w") as log:  # the child holds its own copy of the file
-            self.proc = subprocess.Popen(command(spec), cwd=spec.run_dir, env=run_env(spec.run_dir, spec.env),
+            self.proc = subprocess.Popen(command(spec), cwd=spec.cwd or spec.run_dir, env=run_env(spec.run_dir, spec.env),
                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=new_session)
 
     @property

@@ -4,14 +4,12 @@ plain python from any working directory (default tokenizer and data resolved aga
 the repo)."""
 import os
 import statistics
-import subprocess
 
 import pytest
 
 from tests.assertions import assert_clean_exit
-from scripts.elastic_agents import agreed_port
-from scripts.launching import PYTHON, REPO_ROOT, TORCHRUN, TRAIN
-from tests.jobs import JobSpec, run_all, run_env
+from scripts.launching import REPO_ROOT, TRAIN
+from tests.jobs import JobSpec, run_all, run_nodes
 from tests.run_outputs import (
     checkpoint_name, latest_checkpoint, latest_link_name, load_checkpoint, out_args, read_metrics,
 )
@@ -86,28 +84,15 @@ def test_legacy_launcher_two_processes(launched):
 # ---------------------------------------------------------------------------- two nodes
 @pytest.mark.slow
 def test_two_nodes_of_one_process_train_together(tmp_path):
-    procs, outputs = [], []
-    with agreed_port() as port:
-        try:
-            for node_rank in (0, 1):
-                node_dir = tmp_path / f"node{node_rank}"  # each "machine" starts in its own directory
-                node_dir.mkdir()
-                cmd = [*TORCHRUN, "--nnodes=2", "--nproc_per_node=1", f"--node_rank={node_rank}",
-                       "--master_addr=127.0.0.1", f"--master_port={port}",
-                       str(TRAIN), *TINY, *out_args(tmp_path), "--max_steps", "3"]
-                procs.append(subprocess.Popen(cmd, cwd=node_dir, env=run_env(tmp_path), text=True,
-                                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-            for proc in procs:
-                outputs.append(proc.communicate(timeout=240)[0])
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-    for node_rank, (proc, output) in enumerate(zip(procs, outputs)):
-        assert_clean_exit(proc.returncode, output, f"node {node_rank}")
-    assert "world_size=2" in outputs[0]
-    assert "world_size=" not in outputs[1]  # rank 1 logs nothing of its own
+    nodes = [tmp_path / "node0", tmp_path / "node1"]  # each "machine" starts in its own directory
+    for node in nodes:
+        node.mkdir()
+    # Temp files beside the nodes' folders, so that what lands in them shows below.
+    results = run_nodes([*TINY, *out_args(tmp_path), "--max_steps", "3"], nodes, env={"TMPDIR": str(tmp_path)})
+    for node_rank, result in enumerate(results):
+        assert_clean_exit(result.returncode, result.stdout, f"node {node_rank}")
+    assert "world_size=2" in results[0].stdout
+    assert "world_size=" not in results[1].stdout  # rank 1 logs nothing of its own
     state = latest_checkpoint(tmp_path)
     assert (state["world_size"], state["global_step"], state["samples_per_step"]) == (2, 3, 8)
     assert_one_set_of_files(tmp_path, 3)
@@ -123,27 +108,16 @@ def test_plain_python_from_any_directory(tmp_path):
     elsewhere.mkdir()
     trainer_dir = REPO_ROOT / "trainer"
     before = {name for name in ("out", "checkpoints", "dataset", "model") if (trainer_dir / name).exists()}
-    runs = {}
-    for name, cwd, script in [("elsewhere", elsewhere, str(TRAIN)), ("trainer", trainer_dir, "train_pretrain.py")]:
-        run_dir = tmp_path / f"run_{name}"
-        # Both at once: each is one process, and start-up is most of its time.
-        runs[name] = cwd, run_dir, subprocess.Popen(
-            [PYTHON, script, *TINY, *out_args(run_dir), "--max_steps", "2"], cwd=cwd, env=run_env(tmp_path),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        outputs = {name: proc.communicate(timeout=240)[0] for name, (_, _, proc) in runs.items()}
-    finally:
-        for _, _, proc in runs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    for name, (cwd, run_dir, proc) in runs.items():
-        output = outputs[name]
-        assert_clean_exit(proc.returncode, output, f"from {cwd}")
-        assert "world_size=1" in output and "device=cpu" in output
-        state = latest_checkpoint(run_dir)
+    # Both at once: each is one process, and start-up is most of its time.
+    specs = {name: JobSpec([*TINY, *out_args(tmp_path / f"run_{name}"), "--max_steps", "2"], tmp_path / f"run_{name}",
+                           script=script, cwd=cwd)
+             for name, cwd, script in [("elsewhere", elsewhere, TRAIN), ("trainer", trainer_dir, "train_pretrain.py")]}
+    for name, result in run_all(specs, timeout=240).items():
+        assert_clean_exit(result.returncode, result.stdout, f"from {specs[name].cwd}")
+        assert "world_size=1" in result.stdout and "device=cpu" in result.stdout
+        state = latest_checkpoint(specs[name].run_dir)
         assert (state["world_size"], state["global_step"], state["samples_per_step"]) == (1, 2, 4)
-        assert_one_set_of_files(run_dir, 2)
+        assert_one_set_of_files(specs[name].run_dir, 2)
     assert os.listdir(elsewhere) == []
     after = {name for name in ("out", "checkpoints", "dataset", "model") if (trainer_dir / name).exists()}
     assert after == before, "the run wrote into trainer/: a default path is resolved against the cwd"

@@ -1,13 +1,13 @@
 """MFU's inputs: the GPU peak looked up by device name, and a clock that counts training
 time only (validation and checkpoint saves left out)."""
 import json
-import signal
 import time
 
 import pytest
 import torch
 
 from tests.helpers_data import SAMPLE_TEXTS
+from tests.jobs import run_trainer
 from trainer import metrics, train_pretrain
 from trainer.checkpoint import CheckpointManager
 from trainer.metrics import Throughput, device_peak_flops, peak_bf16_tflops
@@ -94,19 +94,13 @@ def test_trainer_rates_exclude_validation_and_checkpoint_time(tmp_path, monkeypa
 
     monkeypatch.setattr(train_pretrain, "evaluate", slow(train_pretrain.evaluate))
     monkeypatch.setattr(CheckpointManager, "save", slow(CheckpointManager.save))
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        with pytest.raises(SystemExit) as exit_:
-            train_pretrain.main([
-                "--data_path", str(data), "--device", "cpu", "--hidden_size", "64", "--num_hidden_layers", "2",
-                "--max_seq_len", "32", "--batch_size", "2", "--max_steps", "6", "--log_interval", "2",
-                "--save_interval", "2", "--eval_interval", "2", "--val_fraction", "0.2", "--eval_batches", "1",
-                "--num_workers", "0", "--save_dir", str(tmp_path / "out"), "--checkpoint_dir", str(tmp_path / "ckpt"),
-            ])
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-    assert exit_.value.code == 0
+    run = run_trainer([
+        "--data_path", str(data), "--device", "cpu", "--hidden_size", "64", "--num_hidden_layers", "2",
+        "--max_seq_len", "32", "--batch_size", "2", "--max_steps", "6", "--log_interval", "2",
+        "--save_interval", "2", "--eval_interval", "2", "--val_fraction", "0.2", "--eval_batches", "1",
+        "--num_workers", "0", "--save_dir", str(tmp_path / "out"), "--checkpoint_dir", str(tmp_path / "ckpt"),
+    ], tmp_path / "run")
+    assert run.returncode == 0, run.stdout[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "out" / "pretrain_64_metrics.jsonl").open()]
     train_rows = [r for r in rows if r["kind"] == "train"]
     assert [r["step"] for r in train_rows] == [2, 4, 6] and clock["offset"] >= 600

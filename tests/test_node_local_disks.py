@@ -4,15 +4,13 @@ Only node 0 ever holds a checkpoint; a resume must not need one on node 1."""
 import argparse
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from tests.assertions import assert_clean_exit
-from scripts.elastic_agents import agreed_port
-from scripts.launching import REPO_ROOT, TORCHRUN
-from tests.jobs import run_env
+from scripts.launching import REPO_ROOT
+from tests.jobs import run_nodes
 from tests.run_outputs import checkpoint_name, latest_link_name, read_metrics
 from tests.tiny import TINY
 from tests.helpers_data import SAMPLE_TEXTS, write_jsonl
@@ -21,6 +19,7 @@ from tests.fault_injection import fault_env
 STEPS, SAVE, KILL = 16, 5, 13  # saves at 5 and 10, rank 1 dies before step 13
 RUN = [*TINY, "--data_path", "dataset/small.jsonl", "--checkpoint_dir", "ckpt", "--save_dir", "out",
        "--max_steps", str(STEPS), "--save_interval", str(SAVE)]
+TRAIN_IN_NODE = "trainer/train_pretrain.py"  # each node runs its own copy
 
 
 def copy_repo(dest: Path) -> Path:
@@ -34,24 +33,6 @@ def copy_repo(dest: Path) -> Path:
         shutil.copy(REPO_ROOT / "tests" / hook_file, dest / "tests" / hook_file)
     write_jsonl(dest / "dataset" / "small.jsonl", [f"{SAMPLE_TEXTS[i % len(SAMPLE_TEXTS)]} #{i}" for i in range(300)])
     return dest
-
-
-def run_two_nodes(nodes, extra=(), env=None, timeout=240) -> list[tuple[int, str]]:
-    procs = []
-    with agreed_port() as port:
-        try:
-            for rank, node in enumerate(nodes):
-                procs.append(subprocess.Popen(
-                    [*TORCHRUN, "--nnodes=2", "--nproc_per_node=1", f"--node_rank={rank}", "--master_addr=127.0.0.1",
-                     f"--master_port={port}", "trainer/train_pretrain.py", *RUN, *extra],
-                    cwd=node, env=run_env(node, env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-            outputs = [proc.communicate(timeout=timeout)[0] for proc in procs]
-            return [(proc.returncode, output) for proc, output in zip(procs, outputs)]
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
 
 
 def checkpoint_files(node: Path) -> list[str]:
@@ -68,18 +49,18 @@ def nodes(tmp_path_factory):
 def test_resume_after_a_kill_needs_the_checkpoint_on_node_0_only(nodes):
     node0, node1 = nodes
     fault = fault_env("kill", at=KILL, rank=1)
-    killed = run_two_nodes(nodes, env=fault)
-    assert f"rank 1 SIGKILLs itself at step {KILL}" in killed[1][1], killed[1][1][-3000:]
-    assert all(rc != 0 for rc, _ in killed), [out[-2000:] for _, out in killed]
+    killed = run_nodes(RUN, nodes, env=fault, script=TRAIN_IN_NODE)
+    assert f"rank 1 SIGKILLs itself at step {KILL}" in killed[1].stdout, killed[1].stdout[-3000:]
+    assert all(r.returncode != 0 for r in killed), [r.stdout[-2000:] for r in killed]
     assert checkpoint_files(node0) == [
         f"ckpt/{latest_link_name()}",
         *[f"ckpt/{checkpoint_name(s)}{suffix}" for s in (SAVE, 2 * SAVE) for suffix in ("", ".json")]]
     assert checkpoint_files(node1) == []
 
-    resumed = run_two_nodes(nodes, extra=["--from_resume", "1"])
-    for rank, (rc, output) in enumerate(resumed):
-        assert_clean_exit(rc, output, f"node {rank}")
-    out0 = resumed[0][1]
+    resumed = run_nodes([*RUN, "--from_resume", "1"], nodes, script=TRAIN_IN_NODE)
+    for rank, result in enumerate(resumed):
+        assert_clean_exit(result.returncode, result.stdout, f"node {rank}")
+    out0 = resumed[0].stdout
     assert f"resumed from ckpt/{checkpoint_name(2 * SAVE)} at step {2 * SAVE}/{STEPS}" in out0
     trained = [int(m) for m in re.findall(r"^epoch \d+/\d+ step (\d+)/", out0, re.M)]
     assert trained == list(range(2 * SAVE + 1, STEPS + 1))
