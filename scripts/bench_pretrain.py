@@ -15,7 +15,8 @@ Each variant is a real train_pretrain.py run on the same model and corpus:
     h  packed, torchrun with N processes + --use_compile 1 (compiled around DDP)
     i  packed + --use_compile 1 --optimizer adamw (beside c: what Muon costs)
     j  packed + --use_compile 1 --doc_mask 1 (beside c: what the document mask costs)
-    k  packed + --optimizer adamw (beside b, whose default optimizer is Muon: what Muon costs)
+    k  packed + --optimizer adamw (beside m: what Muon costs)
+    m  packed + --optimizer muon (b's optimizer wherever --optimizer auto takes Muon)
 
 Every process runs one thread by default (--threads changes it for the single-process
 variants), so on a 2-core machine (d) shows what a second process buys. Variants run in
@@ -65,6 +66,7 @@ VARIANTS = {
     "i": ("packed + compile, AdamW", 1, DEMO_BIN, ["--use_compile", "1", "--optimizer", "adamw"], {}),
     "j": ("packed + compile + doc_mask", 1, DEMO_BIN, ["--use_compile", "1", "--doc_mask", "1"], {}),
     "k": ("packed, AdamW", 1, DEMO_BIN, ["--optimizer", "adamw"], {}),
+    "m": ("packed, Muon", 1, DEMO_BIN, ["--optimizer", "muon"], {}),
 }
 
 

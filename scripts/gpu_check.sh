@@ -75,6 +75,7 @@ REPORT=$REPORT_DIR/gpu_check.txt
 LOGS=$REPORT_DIR/gpu_check_logs
 mkdir -p "$LOGS"
 : > "$REPORT"
+rm -f "$REPORT_DIR"/variant_*.json  # an OUT used before: a variant skipped now must not show old figures
 export TOKENIZERS_PARALLELISM=false
 
 say() { echo "$*" | tee -a "$REPORT"; }

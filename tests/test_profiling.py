@@ -115,3 +115,24 @@ def test_a_run_that_stops_inside_the_window_writes_what_it_traced(tmp_path):
     names = {e.get("name") for e in trace_events(tmp_path / "profile" / "run_steps3-4_rank0.pt.trace.json.gz")}
     # Steps 3 and 4, and the start of step 5, where it stopped.
     assert {"ProfilerStep#3", "ProfilerStep#4", "ProfilerStep#5"} <= names and "ProfilerStep#6" not in names
+
+
+def test_the_run_s_own_error_survives_a_profile_that_cannot_be_written(tmp_path, monkeypatch, capsys):
+    """Stopped inside its first traced step, with the trace unwritable (say, a full disk): the
+    error that stopped the run is the one that goes on up, and a line says what was lost."""
+    from common.errors import UserError
+
+    args = SimpleNamespace(save_dir=str(tmp_path), profile_steps=(3, 6), profile_ranks="0", memory_snapshot=0)
+    profiling = Profiling(args, "run", 0, torch.device("cpu"), start_step=0, total_steps=20)
+    names = []
+
+    def unwritable(name):
+        names.append(name)
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(profiling, "_path", unwritable)
+    with pytest.raises(UserError, match="the run's own"):
+        with profiling.running(lambda: 2):
+            profiling.step_begins(3)
+            raise UserError("the run's own error")
+    assert names == ["steps3-3_rank0.pt.trace.json.gz"]  # not steps3-2: the part of step 3 it ran
+    assert "profile: could not write the profile of a failed run" in capsys.readouterr().out

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from trainer import device, settings
+from common.errors import UserError
 from trainer.settings import resolve_dtype, resolve_optimizer
 
 AMX_XEON = frozenset({"fpu", "avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
@@ -86,10 +87,17 @@ def test_the_muon_share_is_the_ratio_of_counted_flops():
 
 
 def test_the_default_run_picks_muon_on_every_cpu():
-    """Whatever the CPU, --dtype auto and --optimizer auto together give Muon."""
+    """Whatever the CPU, the trainer's defaults (model, batch, length; one process) with --dtype
+    auto and --optimizer auto give Muon."""
+    from trainer.args import parse_args
+    from trainer.trainer_utils import model_config_from_args
+
+    args = parse_args([])
+    tokens = args.batch_size * args.accumulation_steps * args.max_seq_len
+    share = settings.muon_flop_share(model_config_from_args(args, args.vocab_size), tokens, args.max_seq_len)
     for cpu_flags in (AMX_XEON, AVX512_BF16_ONLY, EPYC_NO_BF16, frozenset()):
         dtype, _ = resolve_dtype("auto", "cpu", cpu_flags)
-        assert resolve_optimizer("auto", "cpu", dtype, cpu_flags)[0] == "muon", cpu_flags
+        assert resolve_optimizer("auto", "cpu", dtype, cpu_flags, muon_share=share)[0] == "muon", (cpu_flags, share)
 
 
 def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
@@ -133,3 +141,42 @@ def test_the_trainer_logs_what_optimizer_auto_chose_and_why_in_one_line(tmp_path
     assert len(lines) == 1 and re.fullmatch(
         r"optimizer: muon \(auto: Newton-Schulz in fp32, native here, adds (\d+)% to each step's FLOPs, "
         r"within the 25% it may\)", lines[0]), lines
+
+
+def test_resolve_optimizer_keeps_what_the_resumed_checkpoint_trained_with():
+    assert resolve_optimizer("auto", "cpu", "float32", EPYC_NO_BF16, muon_share=0.9, resumed="muon")[0] == "muon"
+    assert resolve_optimizer("auto", "cpu", "float32", EPYC_NO_BF16, muon_share=0.0, resumed="adamw")[0] == "adamw"
+    assert resolve_optimizer("muon", "cpu", "float32", EPYC_NO_BF16, resumed="muon")[0] == "muon"
+    with pytest.raises(UserError, match=r"^--optimizer adamw: the checkpoint this run resumes trained with muon"):
+        resolve_optimizer("adamw", "cpu", "float32", EPYC_NO_BF16, resumed="muon")
+
+
+def test_a_resume_with_fewer_tokens_per_step_keeps_muon(tmp_path):
+    """--optimizer auto weighs Newton-Schulz against the tokens of a step, which a resume may change
+    (another --batch_size, or another process count): the run keeps the optimizer its checkpoint
+    trained with (here 2 samples a step would have made auto pick AdamW, whose state Muon's is not),
+    and an explicit other optimizer stops at once in one line."""
+    from tests.jobs import run_trainer
+    from tests.run_outputs import out_args
+    from tests.tiny import TINY, ensure_demo_corpus
+
+    ensure_demo_corpus()
+    base = [*TINY, *out_args(tmp_path), "--save_interval", "2", "--max_steps", "8"]
+    first = run_trainer([*base, "--max_steps", "2"], tmp_path / "first")
+    assert first.returncode == 0 and "optimizer: muon (auto: Newton-Schulz" in first.stdout, first.stdout[-3000:]
+    other = run_trainer([*base, "--batch_size", "2", "--from_resume", "1", "--optimizer", "adamw"], tmp_path / "other")
+    assert other.returncode == 2 and "Traceback" not in other.stdout
+    assert "error: --optimizer adamw: the checkpoint this run resumes trained with muon" in other.stdout
+    resumed = run_trainer([*base, "--batch_size", "2", "--from_resume", "1"], tmp_path / "resumed")
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert "optimizer: muon (auto: the optimizer of the checkpoint it resumes)" in resumed.stdout
+    assert re.search(r"resumed from \S+ at step 4/8", resumed.stdout)  # 2 steps of 4 samples: 4 of 2
+
+    # A checkpoint whose record does not name its optimizer (written before it did): one line too.
+    import json
+
+    for record in (tmp_path / "ckpt").glob("*.json"):
+        record.write_text(json.dumps({k: v for k, v in json.loads(record.read_text()).items() if k != "optimizer"}))
+    older = run_trainer([*base, "--from_resume", "1", "--optimizer", "adamw"], tmp_path / "older")
+    assert older.returncode == 2 and "Traceback" not in older.stdout, older.stdout[-3000:]
+    assert "its optimizer state has no 'param_groups.0.momentum' for this run's optimizer" in older.stdout

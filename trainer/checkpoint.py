@@ -60,10 +60,12 @@ class CheckpointManager:
     """
 
     def __init__(self, folder: str, prefix: str, model_config: dict, model, parts: dict, keep_last: int = 3,
-                 sharded: bool = False, weights_path: str | None = None, collectives=TORCH_COLLECTIVES):
+                 sharded: bool = False, weights_path: str | None = None, collectives=TORCH_COLLECTIVES,
+                 run_record: dict | None = None):
         self.folder, self.prefix, self.model_config = folder, prefix, model_config
         self.model, self.parts, self.keep_last, self.sharded = model, parts, keep_last, sharded
         self.weights_path, self.collectives = weights_path, collectives
+        self.run_record = run_record or {}  # written in every record too: what a resume reads first
         self.needs = tuple(key for part in parts.values() for key in part.keys)
 
     # ------------------------------------------------------------------ saving
@@ -112,7 +114,7 @@ class CheckpointManager:
         """Rank 0, once `path` is complete: record it (`files`: {name: {size, sha256}}),
         point `latest` at it, drop the oldest."""
         record = {k: state[k] for k in TrainState.record_keys}
-        atomic_write_text(f"{path}.json", json.dumps({**record, "files": files}))
+        atomic_write_text(f"{path}.json", json.dumps({**record, **self.run_record, "files": files}))
         _point_latest(self.folder, self.prefix, path)
         for old in list_checkpoints(self.folder, self.prefix)[max(1, self.keep_last):]:
             _remove(f"{old}.json")  # unrecord first: a kill in between leaves an ignored leftover
@@ -125,7 +127,11 @@ class CheckpointManager:
         saved = self.latest()
         if saved is None:
             return None
-        self.model.load_state_dict(saved)
+        try:
+            self.model.load_state_dict(saved)
+        except KeyError as missing:  # checkpoints that do not record their optimizer: newest_record()
+            raise UserError(f"checkpoint {saved['path']}: its optimizer state has no {missing} for this run's "
+                            f"optimizer; resume with the --optimizer and --param_groups it was trained with") from None
         try:
             for part in self.parts.values():
                 part.load_state_dict(saved)
@@ -182,6 +188,22 @@ class CheckpointManager:
             return path, state
         raise UserError(f"--from_resume 1: none of the {len(candidates)} checkpoints in {self.folder} is usable "
                         f"(see above); move them aside to start fresh")
+
+
+def newest_record(folder: str, prefix: str, collectives=TORCH_COLLECTIVES) -> dict:
+    """The record beside the newest checkpoint of `prefix` ({} when there is none): what a resume
+    must know before the model and optimizer exist, such as the optimizer the run trained with
+    (CheckpointManager's run_record). Rank 0 reads it and every rank gets it (a collective)."""
+    record = {}
+    if collectives.rank == 0:
+        for path in list_checkpoints(folder, prefix):
+            try:
+                with open(f"{path}.json") as f:
+                    record = json.load(f)
+                break
+            except (OSError, ValueError):
+                continue
+    return collectives.broadcast(record)
 
 
 # ---------------------------------------------------------------------------- the files

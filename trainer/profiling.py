@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 import torch
 
-from trainer.distributed import Logger
+from trainer.distributed import Logger, peer_lost
 
 DEFAULT_MEMORY_WINDOW = (1, 3)
 MEMORY_EVENTS = 100_000  # the allocator's history is a ring buffer of the last this many events
@@ -77,26 +77,41 @@ class Profiling:
     @contextmanager
     def running(self, steps_done):
         """Around the loop. A run that ends inside a window (preempted, stopped by a bad step or
-        an error) still writes what was recorded: up to its last finished step, steps_done(), which
-        names the file, and the part of the next step it ran.
-        With --memory_snapshot an out-of-memory error first writes the allocator's state (what
-        holds the memory at that moment; with the stack of each allocation only inside the
-        window, where the history is recorded), then goes on up."""
+        an error) still writes what was recorded: up to its last finished step, steps_done(),
+        which names the file, and the part of the next step it ran. With --memory_snapshot an
+        out-of-memory error first writes the allocator's state (what holds the memory at that
+        moment; with the stack of each allocation only inside the window, where the history is
+        recorded). An error on the way out goes on up unchanged, whatever the writing does."""
         try:
             yield
-        except torch.OutOfMemoryError:
-            if self.memory:
-                path = self._dump_memory(f"memory_oom_step{steps_done() + 1}_rank{self.rank}.pickle")
-                print(f"profile: out of memory at step {steps_done() + 1}; allocator snapshot in {path} "
-                      f"(https://pytorch.org/memory_viz)", flush=True)
+        except BaseException as exc:
+            if isinstance(exc, torch.OutOfMemoryError) and self.memory:
+                self._quietly(lambda: self._write_out_of_memory(steps_done() + 1))
+            # After a lost peer, stopping the profiler would wait on the GPU's hung collective.
+            if not peer_lost(exc):
+                self._quietly(lambda: self._close(steps_done()))
             raise
-        finally:
-            if self.profiler is not None:
-                self._write_trace(steps_done())
-            if self.recording:
-                self._write_memory(steps_done())
+        self._close(steps_done())
+
+    def _close(self, last: int):
+        if self.profiler is not None:
+            self._write_trace(last)
+        if self.recording:
+            self._write_memory(last)
+
+    def _quietly(self, write):
+        try:
+            write()
+        except Exception as exc:  # noqa: BLE001 - the run's own error is the one to report
+            print(f"profile: could not write the profile of a failed run ({exc})", flush=True)
+
+    def _write_out_of_memory(self, step: int):
+        path = self._dump_memory(f"memory_oom_step{step}_rank{self.rank}.pickle")
+        print(f"profile: out of memory at step {step}; allocator snapshot in {path} (https://pytorch.org/memory_viz)",
+              flush=True)
 
     def _write_trace(self, last: int):
+        last = max(last, self.traced_from)  # stopped inside its first step: that step, in part
         self.profiler.stop()
         path = self._path(f"steps{self.traced_from}-{last}_rank{self.rank}.pt.trace.json.gz")
         self.profiler.export_chrome_trace(path)

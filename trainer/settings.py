@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.errors import UserError
 from model.model_minimind import MiniMindForCausalLM, count_parameters
 from trainer.device import cuda_has_native_bf16, native_bf16_cpu_flags, read_cpu_flags
 from trainer.distributed import Logger
@@ -42,7 +43,8 @@ MUON_STEP_BOUND = 1.25
 
 
 def resolve_optimizer(flag: str, device_type: str, dtype: str, cpu_flags=frozenset(),
-                      param_groups: str = "split", muon_share: float = 0.0) -> tuple[str, str]:
+                      param_groups: str = "split", muon_share: float = 0.0, resumed: str | None = None
+                      ) -> tuple[str, str]:
     """(optimizer name, why) for --optimizer `flag`, once the run's dtype is known.
 
     auto: Muon where a Muon step costs at most MUON_STEP_BOUND (1.25) AdamW steps. That takes
@@ -50,9 +52,18 @@ def resolve_optimizer(flag: str, device_type: str, dtype: str, cpu_flags=frozens
     on every CPU, bf16 runs on CPUs and GPUs with native bf16 (not fp16 runs, whose
     Newton-Schulz would be fp32, nor emulated bf16). And it must add little work to the step:
     `muon_share`, its FLOPs over the forward and backward FLOPs of the same optimizer step
-    (muon_flop_share), at most 0.25. Measured in docs/performance.md, section "Muon": the
-    step-time ratio follows muon_share in fp32 and stays below it in bf16 on CPU.
+    (muon_flop_share), at most 0.25. Measured in docs/performance.md, section "Muon": on CPU
+    the step-time ratio follows muon_share in fp32 and stays below it in bf16.
+
+    resumed: the optimizer of the checkpoint the run resumes (None: a new run, or a checkpoint
+    older than this record). A run keeps it, whatever its tokens per step are now: the
+    optimizer state of one does not load into the other.
     """
+    if resumed and flag not in ("auto", resumed):
+        raise UserError(f"--optimizer {flag}: the checkpoint this run resumes trained with {resumed}, whose "
+                        f"state does not load into {flag}; pass --optimizer {resumed} (or auto), or start anew")
+    if resumed:
+        return resumed, "auto: the optimizer of the checkpoint it resumes" if flag == "auto" else "--optimizer"
     if flag != "auto":
         return flag, "--optimizer"
     if param_groups == "single":
@@ -75,9 +86,10 @@ def resolve_optimizer(flag: str, device_type: str, dtype: str, cpu_flags=frozens
 
 def muon_flop_share(config, tokens_per_step: int, seq_len: int) -> float:
     """Newton-Schulz FLOPs of one Muon step over the forward and backward FLOPs of the optimizer
-    step (tokens_per_step tokens in all ranks' micro-batches; Muon's work is split across DDP
-    ranks as the tokens are, so the share does not depend on the world size). The model is
-    built on the meta device: shapes only, no memory."""
+    step (tokens_per_step tokens in all ranks' micro-batches). Muon's work is split across the
+    ranks as the tokens are, so the share holds per rank too, up to rounding: a rank runs
+    ceil(n / W) matrices of a stack of n. The model is built on the meta device: shapes only,
+    no memory."""
     with torch.device("meta"):
         model = MiniMindForCausalLM(config)
     shapes = [tuple(p.shape) for name, p in model.named_parameters() if is_block_matrix(name, p)]
@@ -93,11 +105,11 @@ def detect_dtype(flag: str, device: torch.device, sharded: bool = False) -> tupl
 
 
 def detect_optimizer(flag: str, device: torch.device, dtype: str, param_groups: str = "split",
-                     muon_share: float = 0.0) -> tuple[str, str]:
+                     muon_share: float = 0.0, resumed: str | None = None) -> tuple[str, str]:
     """resolve_optimizer with this machine's facts."""
     cpu_flags = read_cpu_flags() if device.type == "cpu" else frozenset()
     return resolve_optimizer(flag, device.type, dtype, cpu_flags=cpu_flags, param_groups=param_groups,
-                             muon_share=muon_share)
+                             muon_share=muon_share, resumed=resumed)
 
 
 @dataclass(frozen=True)
@@ -128,12 +140,13 @@ def is_sharded(args, env) -> bool:
     return args.parallel == "fsdp" and env.distributed
 
 
-def resolve_settings(args, env, config, tokens_per_step: int) -> RunSettings:
-    """The run's settings for the model `config` training on tokens_per_step tokens per optimizer step."""
+def resolve_settings(args, env, config, tokens_per_step: int, resumed_optimizer: str | None = None) -> RunSettings:
+    """The run's settings for the model `config` training on tokens_per_step tokens per optimizer
+    step; resumed_optimizer: the optimizer of the checkpoint it resumes, if that says."""
     sharded = is_sharded(args, env)
     dtype, why = detect_dtype(args.dtype, env.device, sharded=sharded)
     Logger(f"dtype: {dtype} ({why})")
     share = muon_flop_share(config, tokens_per_step, args.max_seq_len) if args.optimizer == "auto" else 0.0
-    optimizer, why = detect_optimizer(args.optimizer, env.device, dtype, args.param_groups, share)
+    optimizer, why = detect_optimizer(args.optimizer, env.device, dtype, args.param_groups, share, resumed_optimizer)
     Logger(f"optimizer: {optimizer} ({why})")
     return RunSettings(dtype, optimizer, sharded)

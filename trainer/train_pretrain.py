@@ -24,7 +24,7 @@ from dataset.lm_dataset import load_tokenizer  # noqa: E402
 from dataset.token_bytes import bits_per_byte, target_bytes, token_byte_lengths  # noqa: E402
 from model.model_minimind import count_parameters  # noqa: E402
 from trainer.args import check_args, parse_args  # noqa: E402
-from trainer.checkpoint import CheckpointManager  # noqa: E402
+from trainer.checkpoint import CheckpointManager, newest_record  # noqa: E402
 from trainer.data import (  # noqa: E402
     LoaderStalled, ResumableDistributedSampler, build_data, delivered_batches, make_train_loader, make_val_loader,
 )
@@ -63,7 +63,11 @@ def train(args, env) -> int:
     total_steps = plan.total_steps
 
     # ------------------------------------------------------------------ 2. settings: what auto becomes here
-    settings = resolve_settings(args, env, config, plan.samples_per_step * args.max_seq_len)
+    prefix = run_prefix(args.save_weight, config.hidden_size, config.use_moe)
+    resuming = {}
+    if args.from_resume:  # the same flag on every rank: all of them join newest_record()'s broadcast, or none does
+        resuming = newest_record(args.checkpoint_dir, prefix)
+    settings = resolve_settings(args, env, config, plan.samples_per_step * args.max_seq_len, resuming.get("optimizer"))
     configure_cuda(env.device, settings.torch_dtype)
     autocast = settings.autocast(env.device)
 
@@ -73,11 +77,11 @@ def train(args, env) -> int:
     flops_token = flops_per_token(config, count_parameters(model)[1], args.max_seq_len)
 
     # ------------------------------------------------------------------ 4. checkpoints, resume
-    prefix = run_prefix(args.save_weight, config.hidden_size, config.use_moe)
     state = TrainState(plan)
     checkpoints = CheckpointManager(args.checkpoint_dir, prefix, config.to_dict(), ModelState(model, optimizer),
                                     {"train_state": state, "scaler": ScalerState(parts.scaler), "rng": RNGState()},
-                                    args.keep_last, settings.sharded, weights_path(args.save_dir, prefix))
+                                    args.keep_last, settings.sharded, weights_path(args.save_dir, prefix),
+                                    run_record={"optimizer": settings.optimizer})
     saved = None
     if args.from_resume:  # the same flag on every rank: all of them join resume()'s broadcasts, or none does
         saved = checkpoints.resume()
