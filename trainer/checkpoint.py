@@ -196,13 +196,8 @@ def newest_record(folder: str, prefix: str, collectives=TORCH_COLLECTIVES) -> di
     (CheckpointManager's run_record). Rank 0 reads it and every rank gets it (a collective)."""
     record = {}
     if collectives.rank == 0:
-        for path in list_checkpoints(folder, prefix):
-            try:
-                with open(f"{path}.json") as f:
-                    record = json.load(f)
-                break
-            except (OSError, ValueError):
-                continue
+        records = (_record_of(path) for path in list_checkpoints(folder, prefix))
+        record = next((r for r in records if r is not None), {})
     return collectives.broadcast(record)
 
 
@@ -234,11 +229,18 @@ def list_checkpoints(checkpoint_dir, prefix="*") -> list[str]:
 
 def _progress_of(path) -> tuple:
     step = int(re.search(r"_resume_step(\d+)\.", path).group(1))
+    tokens = (_record_of(path) or {}).get("tokens_seen")
+    return (tokens if isinstance(tokens, int) else -1, step)
+
+
+def _record_of(path) -> dict | None:
+    """The record written beside checkpoint `path` (None: none, or unreadable)."""
     try:
         with open(f"{path}.json") as f:
-            return (json.load(f)["tokens_seen"], step)
-    except (OSError, ValueError, KeyError, TypeError):
-        return (-1, step)
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def _sha256(path, chunk=1 << 22) -> str:
