@@ -61,7 +61,7 @@ def test_auto_takes_adamw_where_newton_schulz_would_add_more_than_the_bound(shar
 
 def test_the_muon_share_is_the_ratio_of_counted_flops():
     """muon_flop_share against torch's FlopCounterMode: one Muon step's FLOPs over one forward
-    and backward of the same model on the same tokens (a tiny model, 2 x 4 x 64 tokens)."""
+    and backward of the same model on the same tokens (a tiny model, 8 x 64 tokens)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
