@@ -1,5 +1,7 @@
 """Attention masks for packed windows, where one window holds several documents: a query
-attends to earlier positions of its own document only. Built from the BOS positions, in
+attends to earlier positions of its own document only. Built from where the documents
+start (a bool (B, T) tensor: the BOS positions of pre-training text, the first token of
+each conversation in supervised fine-tuning, whose every turn begins with BOS), in
 the form the model runs fastest: a dense (B, 1, T, T) mask for SDPA, or a FlexAttention
 BlockMask that lets the kernel skip the 128 x 128 blocks that cross documents."""
 import torch
@@ -8,32 +10,32 @@ from torch.nn.attention.flex_attention import BlockMask
 BLOCK = 128  # FlexAttention's default block size
 
 
-def document_ids(input_ids, bos_token_id):
+def document_ids(starts):
     """(B, T) index of the document each position belongs to, non-decreasing along T. A document
-    starts at each BOS; tokens before the window's first BOS (the tail of a document that began in
-    an earlier window) form a document of their own."""
-    return torch.cumsum((input_ids == bos_token_id).to(torch.int32), dim=1)
+    begins at each True of `starts`; tokens before the window's first (the tail of a document that
+    began in an earlier window) form a document of their own."""
+    return torch.cumsum(starts.to(torch.int32), dim=1)
 
 
-def document_causal_mask(input_ids, bos_token_id, flex=None):
+def document_causal_mask(starts, flex=None):
     """The mask for the model's attention: a BlockMask on CUDA (flex=None), the dense mask
     elsewhere, since FlexAttention has no backward on CPU (scripts/bench_attention.py)."""
     if flex is None:
-        flex = input_ids.is_cuda
-    return document_block_mask(input_ids, bos_token_id) if flex else dense_document_mask(input_ids, bos_token_id)
+        flex = starts.is_cuda
+    return document_block_mask(starts) if flex else dense_document_mask(starts)
 
 
-def dense_document_mask(input_ids, bos_token_id):
+def dense_document_mask(starts):
     """(B, 1, T, T) bool, True = may attend. The diagonal is always True, so no row is fully
     masked (which would give NaN in SDPA)."""
-    doc_ids = document_ids(input_ids, bos_token_id)
+    doc_ids = document_ids(starts)
     same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]  # (B, T, T)
-    T = input_ids.shape[1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()
+    T = starts.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=starts.device).tril()
     return (same_doc & causal).unsqueeze(1)
 
 
-def document_block_mask(input_ids, bos_token_id) -> BlockMask:
+def document_block_mask(starts) -> BlockMask:
     """The dense mask as a FlexAttention BlockMask, read off the document boundaries per block.
 
     Document ids never decrease along a window, so a block's documents run from the id at its
@@ -45,7 +47,7 @@ def document_block_mask(input_ids, bos_token_id) -> BlockMask:
     the device, with no host read, where create_block_mask would evaluate the mask at every
     one of the T x T positions.
     """
-    doc_ids = document_ids(input_ids, bos_token_id)
+    doc_ids = document_ids(starts)
     B, T = doc_ids.shape
     blocks = -(-T // BLOCK)
     starts = torch.arange(blocks, device=doc_ids.device) * BLOCK

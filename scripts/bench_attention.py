@@ -82,7 +82,7 @@ def run_cell(hidden, seq_len, args, dtype):
     device = args.device
     attn = Attention(MiniMindConfig(hidden_size=hidden, num_attention_heads=8, num_key_value_heads=4))
     ids = packed_ids(args.batch_size, seq_len, device)
-    masks = {"dense": lambda: dense_document_mask(ids, BOS), "flex": lambda: document_block_mask(ids, BOS)}
+    masks = {"dense": lambda: dense_document_mask(ids == BOS), "flex": lambda: document_block_mask(ids == BOS)}
     built = {name: make() for name, make in masks.items()}
     calls = {
         "causal (no doc mask)": lambda q, k, v: attn._attend(q, k, v, None, 0.0, is_causal=True),
@@ -148,7 +148,7 @@ def print_table(rows, args, dtype):
 
 def evaluated_block_mask(ids):
     """The same BlockMask by create_block_mask, which evaluates the mask function at all T x T positions."""
-    doc = document_ids(ids, BOS)
+    doc = document_ids(ids == BOS)
 
     def causal_same_document(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (doc[b, q_idx] == doc[b, kv_idx])
@@ -156,8 +156,8 @@ def evaluated_block_mask(ids):
 
 
 def print_mask_builds(args):
-    builders = {"dense (B,1,T,T)": lambda ids: dense_document_mask(ids, BOS),
-                "BlockMask from boundaries": lambda ids: document_block_mask(ids, BOS),
+    builders = {"dense (B,1,T,T)": lambda ids: dense_document_mask(ids == BOS),
+                "BlockMask from boundaries": lambda ids: document_block_mask(ids == BOS),
                 "create_block_mask": evaluated_block_mask}
     print(f"\nbuilding the mask once, ms (median of {args.repeats})\n")
     print(f"{'batch':>6}{'seq':>6}" + "".join(f"{name:>28}" for name in builders))

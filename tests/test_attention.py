@@ -62,7 +62,7 @@ def test_sdpa_gqa_makes_no_copies_of_keys_and_values(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "repeat_interleave", no_copies)
     with torch.no_grad():
         causal = sdpa(ids).logits
-        masked = sdpa(ids, attention_mask=dense_document_mask(ids, BOS)).logits  # CPU: masked GQA too
+        masked = sdpa(ids, attention_mask=dense_document_mask(ids == BOS)).logits  # CPU: masked GQA too
     torch.testing.assert_close(causal, expected, atol=1e-5, rtol=1e-5)
     assert causal.shape == masked.shape
     with pytest.raises(AssertionError, match="repeat_interleave"):
@@ -73,7 +73,7 @@ def test_sdpa_gqa_makes_no_copies_of_keys_and_values(monkeypatch):
 def test_sdpa_gqa_equals_repeat_interleave_math_forward_and_gradients(kv_heads):
     sdpa, math = twin_models(num_key_value_heads=kv_heads)
     ids = packed_ids(length=40)
-    for mask in (None, dense_document_mask(ids, BOS)):
+    for mask in (None, dense_document_mask(ids == BOS)):
         logits_a, grads_a = loss_and_grads(sdpa, ids, attention_mask=mask)
         logits_b, grads_b = loss_and_grads(math, ids, attention_mask=mask)
         torch.testing.assert_close(logits_a, logits_b, atol=1e-5, rtol=1e-5)
@@ -102,7 +102,7 @@ def test_document_causal_mask():
     bos = BOS
     input_ids = torch.tensor([[5, 1, 7, 8, 1, 9],    # tail of a doc, then two docs
                               [4, 4, 4, 4, 4, 4]])   # no BOS: one doc, plain causal
-    mask = document_causal_mask(input_ids, bos)
+    mask = document_causal_mask(input_ids == bos)
     assert mask.shape == (2, 1, 6, 6) and mask.dtype == torch.bool
     expected = torch.tensor([
         [1, 0, 0, 0, 0, 0],
@@ -118,10 +118,10 @@ def test_document_causal_mask():
 
 def test_block_mask_is_exactly_the_dense_document_mask():
     ids = packed_ids(batch=3, length=300)  # not a multiple of FlexAttention's 128-wide blocks
-    block = document_block_mask(ids, BOS)
+    block = document_block_mask(ids == BOS)
     assert isinstance(block, BlockMask)
     as_dense = create_mask(block.mask_mod, 3, 1, 300, 300, device="cpu")
-    assert torch.equal(as_dense, dense_document_mask(ids, BOS))
+    assert torch.equal(as_dense, dense_document_mask(ids == BOS))
 
 
 def _layouts():
@@ -154,14 +154,14 @@ def test_block_mask_from_document_boundaries_equals_create_block_mask(name):
     create_block_mask finds by evaluating the mask at every position: the same blocks
     computed, and the same ones computed without the mask function (full blocks)."""
     ids = _layouts()[name]
-    doc_ids = document_ids(ids, BOS)
+    doc_ids = document_ids(ids == BOS)
     T = ids.shape[1]
     reference = create_block_mask(lambda b, h, q, kv: (kv <= q) & (doc_ids[b, q] == doc_ids[b, kv]),
                                   ids.shape[0], None, T, T, device="cpu")
-    ours = document_block_mask(ids, BOS)
+    ours = document_block_mask(ids == BOS)
     assert torch.equal(ours.to_dense(), reference.to_dense())
     assert torch.equal(ours.full_kv_num_blocks, reference.full_kv_num_blocks)
-    assert torch.equal(create_mask(ours.mask_mod, ids.shape[0], 1, T, T, device="cpu"), dense_document_mask(ids, BOS))
+    assert torch.equal(create_mask(ours.mask_mod, ids.shape[0], 1, T, T, device="cpu"), dense_document_mask(ids == BOS))
 
 
 def test_building_the_block_mask_reads_nothing_back_to_the_host():
@@ -169,14 +169,14 @@ def test_building_the_block_mask_reads_nothing_back_to_the_host():
 
     ids = _layouts()["documents across blocks, 1024"]
     with CountHostReads() as counter:
-        document_block_mask(ids, BOS)
+        document_block_mask(ids == BOS)
     assert counter.reads == 0
 
 
 def test_document_causal_mask_is_dense_on_cpu_unless_asked():
     ids = packed_ids(length=16)
-    assert isinstance(document_causal_mask(ids, BOS), torch.Tensor)
-    assert isinstance(document_causal_mask(ids, BOS, flex=True), BlockMask)
+    assert isinstance(document_causal_mask(ids == BOS), torch.Tensor)
+    assert isinstance(document_causal_mask(ids == BOS, flex=True), BlockMask)
 
 
 @torch.no_grad()
@@ -188,8 +188,8 @@ def test_flex_attention_equals_dense_mask_forward(monkeypatch):
     monkeypatch.setattr(model_minimind, "_COMPILED_FLEX", flex_attention)
     model = tiny_model().eval()
     ids = packed_ids(length=200)
-    dense = model(ids, attention_mask=dense_document_mask(ids, BOS)).logits
-    flex = model(ids, attention_mask=document_block_mask(ids, BOS)).logits
+    dense = model(ids, attention_mask=dense_document_mask(ids == BOS)).logits
+    flex = model(ids, attention_mask=document_block_mask(ids == BOS)).logits
     torch.testing.assert_close(flex, dense, atol=1e-4, rtol=1e-4)
     plain_causal = model(ids).logits
     assert not torch.allclose(plain_causal, dense, atol=1e-3)  # the documents did matter
@@ -199,7 +199,7 @@ def test_block_mask_on_the_math_path_gives_dense_mask_gradients():
     """flash_attn=False (and dropout) turn a BlockMask back into its dense mask."""
     _, math = twin_models()
     ids = packed_ids(length=64)
-    logits_a, grads_a = loss_and_grads(math, ids, attention_mask=document_block_mask(ids, BOS))
-    logits_b, grads_b = loss_and_grads(math, ids, attention_mask=dense_document_mask(ids, BOS))
+    logits_a, grads_a = loss_and_grads(math, ids, attention_mask=document_block_mask(ids == BOS))
+    logits_b, grads_b = loss_and_grads(math, ids, attention_mask=dense_document_mask(ids == BOS))
     torch.testing.assert_close(logits_a, logits_b, atol=0, rtol=0)
     assert_same_grads(grads_a, grads_b, atol=0)

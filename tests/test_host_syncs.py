@@ -17,7 +17,8 @@ from tests.run_outputs import out_args
 from tests.tiny import small_corpus
 from trainer.args import parse_args
 from trainer.step import read_flags
-from trainer.train_pretrain import train
+from trainer.loop import train
+from trainer.train_pretrain import PRETRAIN
 from trainer.distributed import init_distributed_mode
 
 FAR = "1000"  # log, save and eval intervals beyond the run: only the last step does them
@@ -38,7 +39,7 @@ def host_reads(data_path, run_dir, steps) -> int:
                        "--log_interval", FAR, "--save_interval", FAR, "--eval_interval", FAR])
     env = init_distributed_mode(args.device, args.dist_timeout, args.local_rank)
     with CountHostReads() as counter:
-        done = run_in_process(lambda: sys.exit(train(args, env)), run_dir)
+        done = run_in_process(lambda: sys.exit(train(args, env, PRETRAIN)), run_dir)
     assert done.returncode == 0, done.stdout[-3000:]
     return counter.reads
 

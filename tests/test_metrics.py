@@ -8,7 +8,7 @@ import torch
 
 from tests.helpers_data import SAMPLE_TEXTS
 from tests.jobs import run_trainer
-from trainer import metrics, train_pretrain
+from trainer import loop, metrics
 from trainer.checkpoint import CheckpointManager
 from trainer.metrics import Throughput, device_peak_flops, peak_bf16_tflops
 
@@ -92,7 +92,7 @@ def test_trainer_rates_exclude_validation_and_checkpoint_time(tmp_path, monkeypa
             return fn(*args, **kwargs)
         return wrapped
 
-    monkeypatch.setattr(train_pretrain, "evaluate", slow(train_pretrain.evaluate))
+    monkeypatch.setattr(loop, "evaluate", slow(loop.evaluate))
     monkeypatch.setattr(CheckpointManager, "save", slow(CheckpointManager.save))
     run = run_trainer([
         "--data_path", str(data), "--device", "cpu", "--hidden_size", "64", "--num_hidden_layers", "2",

@@ -76,18 +76,21 @@ def test_demo_corpus_is_built_by_local_rank_0_of_each_node_and_every_rank_waits(
         tmp_path, monkeypatch, local_rank, exists, builds):
     """Rank 2 of 4 on two nodes is local rank 0 of node 1: it builds its node's copy. Every
     rank takes the one barrier, whether it built, waited or found the file on its disk."""
-    import dataset.demo_corpus
-    from trainer import train_pretrain
+    import dataclasses
 
+    from dataset.demo_corpus import DEMO_CORPUS, ensure_demo_corpus
+    from trainer import loop
+    from trainer.train_pretrain import PRETRAIN
+
+    assert (PRETRAIN.demo_data, PRETRAIN.build_demo) == (DEMO_CORPUS, ensure_demo_corpus)
     corpus = tmp_path / "demo_pretrain.jsonl"
     if exists:
         corpus.write_text('{"text": "x"}\n')
     built, barriers = [], []
-    monkeypatch.setattr(train_pretrain, "DEMO_CORPUS", corpus)
-    monkeypatch.setattr(dataset.demo_corpus, "ensure_demo_corpus", built.append)
-    monkeypatch.setattr(train_pretrain, "barrier", lambda: barriers.append(1))
-    monkeypatch.setattr(train_pretrain, "is_main_process", lambda: False)  # a rank of node 1
+    stage = dataclasses.replace(PRETRAIN, demo_data=corpus, build_demo=built.append)
+    monkeypatch.setattr(loop, "barrier", lambda: barriers.append(1))
+    monkeypatch.setattr(loop, "is_main_process", lambda: False)  # a rank of node 1
 
-    train_pretrain.ensure_data(argparse.Namespace(data_path=str(corpus)), local_rank)
+    loop.ensure_data(argparse.Namespace(data_path=str(corpus)), local_rank, stage)
     assert built == ([corpus] if builds else [])
     assert barriers == [1]

@@ -97,7 +97,7 @@ def test_bits_per_byte_hand_computed():
 
     from dataset.lm_dataset import load_tokenizer
     from dataset.token_bytes import token_byte_lengths
-    from trainer.train_pretrain import evaluate
+    from trainer.loop import evaluate
 
     tok = load_tokenizer(REPO_ROOT / "model")
     model = MiniMindForCausalLM(MiniMindConfig(hidden_size=64, num_hidden_layers=1, vocab_size=6400))
@@ -122,7 +122,7 @@ def test_eval_llm_and_trainer_validation_agree_on_bits_per_byte(tmp_path):
     from dataset.lm_dataset import NextTokenTargets, PretrainDataset, load_tokenizer
     from dataset.token_bytes import token_byte_lengths
     from scripts.eval_llm import perplexity
-    from trainer.train_pretrain import evaluate
+    from trainer.loop import evaluate
 
     tok = load_tokenizer(REPO_ROOT / "model")
     docs = tmp_path / "val.jsonl"

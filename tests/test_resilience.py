@@ -98,7 +98,7 @@ def test_a_stalled_worker_ends_a_real_run_in_one_line_naming_dist_timeout(tmp_pa
     from tests.jobs import run_trainer
     from tests.run_outputs import out_args
     from tests.tiny import TINY
-    from trainer import train_pretrain
+    from trainer import loop
 
     if multiprocessing.get_start_method() != "fork":
         pytest.skip("the stall reaches the worker through fork; this platform starts workers another way")
@@ -122,9 +122,9 @@ def test_a_stalled_worker_ends_a_real_run_in_one_line_naming_dist_timeout(tmp_pa
         release.set()
         real_fail(*args, **kwargs)
 
-    real_fail = train_pretrain.fail
+    real_fail = loop.fail
     monkeypatch.setattr(PackedPretrainDataset, "__getitem__", stalls_after_one_batch)
-    monkeypatch.setattr(train_pretrain, "fail", fail)
+    monkeypatch.setattr(loop, "fail", fail)
     started = time.monotonic()
     result = run_trainer([*TINY, *out_args(tmp_path / "run"), "--data_path", str(data), "--max_steps", "4",
                           "--num_workers", "1", "--dist_timeout", "2"], tmp_path / "run", timeout=30)

@@ -8,7 +8,7 @@ from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.jobs import run_trainer
 from tests.run_outputs import checkpoint_name, latest_checkpoint, out_args
 from tests.tiny import TINY
-from trainer import optim, train_pretrain, trainer_utils
+from trainer import loop, optim, trainer_utils
 from trainer.trainer_utils import lm_checkpoint
 
 # entry point: the module whose global the trainer calls it through
@@ -20,7 +20,7 @@ def test_every_entry_point_is_the_one_the_trainer_calls(tmp_path, monkeypatch):
     wrapper called: an entry point the trainer did not use (a stale copy) would fail here."""
     calls = {}
     for name in trainer_utils.__all__:
-        owner = WHERE_THE_TRAINER_LOOKS.get(name, train_pretrain)
+        owner = WHERE_THE_TRAINER_LOOKS.get(name, loop)
         if owner is None:
             continue  # lm_checkpoint: the round trips below
         function = getattr(owner, name)
@@ -32,7 +32,7 @@ def test_every_entry_point_is_the_one_the_trainer_calls(tmp_path, monkeypatch):
         monkeypatch.setattr(owner, name, spy)
     run = run_trainer([*TINY, *out_args(tmp_path), "--max_steps", "2"], tmp_path)
     assert run.returncode == 0, run.stdout[-3000:]
-    expected = [n for n in trainer_utils.__all__ if WHERE_THE_TRAINER_LOOKS.get(n, train_pretrain) is not None]
+    expected = [n for n in trainer_utils.__all__ if WHERE_THE_TRAINER_LOOKS.get(n, loop) is not None]
     assert sorted(calls) == sorted(expected), f"never called by the trainer: {set(expected) - set(calls)}"
 
 

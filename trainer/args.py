@@ -19,11 +19,16 @@ MINIMIND_FLAGS = ("save_dir", "save_weight", "epochs", "batch_size", "learning_r
                   "use_wandb", "wandb_project", "use_compile")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Every flag, with its help: docs/flags.md is generated from it (scripts/flags_table.py)."""
-    p = OneLineArgumentParser(description="MiniMind pre-training (single process, torchrun DDP/FSDP, multi-node)")
+def build_parser(stage=None) -> argparse.ArgumentParser:
+    """Every flag, with its help: docs/flags.md is generated from it (scripts/flags_table.py).
+    `stage` (trainer/loop.py's Stage; None: pre-training) adds its own flags and defaults."""
+    p = OneLineArgumentParser(description=stage.description if stage else "MiniMind pre-training")
     for add_group in (_output_flags, _optimisation_flags, _model_flags, _data_flags, _system_flags):
         add_group(p)
+    if stage is not None:
+        if stage.add_flags:
+            stage.add_flags(p)
+        p.set_defaults(**stage.defaults)
     return p
 
 
@@ -78,7 +83,9 @@ def _model_flags(p):
     mdl.add_argument("--max_seq_len", type=int, default=340, help="tokens per sample (a padded line or a packed window)")
     mdl.add_argument("--vocab_size", type=int, default=6400, help="the model's embedding rows (>= the tokenizer's)")
     mdl.add_argument("--use_moe", type=int, default=0, choices=[0, 1], help="1: mixture-of-experts feed-forward blocks")
-    mdl.add_argument("--from_weight", default=None, help="initial weights (.pth, .safetensors or resume checkpoint)")
+    mdl.add_argument("--from_weight", default="none",
+                     help="initial weights: a name, as MiniMind's (pretrain: {save_dir}/pretrain_{hidden}[_moe].pth), "
+                          "a .pth, .safetensors or resume checkpoint, or none (from scratch)")
     mdl.add_argument("--from_resume", type=int, default=0, choices=[0, 1], help="1: continue from the latest checkpoint")
     mdl.add_argument("--tokenizer_path", default=str(REPO_ROOT / "model"), help="folder with tokenizer.json")
 
@@ -141,8 +148,8 @@ def adam_betas(text: str) -> tuple[float, float]:
 MODEL_FLAGS = ("hidden_size", "num_hidden_layers", "use_moe", "vocab_size")
 
 
-def parse_args(argv=None):
-    parser = build_parser()
+def parse_args(argv=None, stage=None):
+    parser = build_parser(stage)
     args = parser.parse_args(argv)
     # Parsed once more without their defaults, to tell a typed --hidden_size 512 from the default:
     # model_flags maps each of MODEL_FLAGS to its typed value, or None.

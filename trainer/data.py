@@ -34,9 +34,11 @@ class ResumableDistributedSampler(DistributedSampler):
 
 @dataclass(frozen=True)
 class TrainData:
-    """Training and validation samples, each (input ids, next-token targets) whatever the files."""
+    """Training and validation samples, each (input ids, next-token targets) whatever the files
+    (and, where the data marks them, where its documents start: trainer/step.py's attention_mask)."""
     train: Dataset
     val: Dataset | None
+    packed: bool  # a sample may hold several documents (packed windows), not one padded one
 
 
 def open_dataset(path: str, flag: str, tokenizer, max_seq_len: int, vocab_size: int):
@@ -68,18 +70,24 @@ def open_dataset(path: str, flag: str, tokenizer, max_seq_len: int, vocab_size: 
 
 
 def build_data(args, tokenizer, vocab_size: int) -> TrainData:
+    """Pre-training's samples: --data_path, and --val_data_path or the tail of --data_path."""
     full = open_dataset(args.data_path, "--data_path", tokenizer, args.max_seq_len, vocab_size)
+    packed = not isinstance(full, NextTokenTargets)
     if args.val_data_path:
         # Either kind validates either kind of run: runs on padded and on packed data can
         # then be compared on one validation set (scripts/bench_quality.py does).
         return TrainData(full, open_dataset(args.val_data_path, "--val_data_path", tokenizer, args.max_seq_len,
-                                            vocab_size))
-    n_val = int(len(full) * args.val_fraction)
+                                            vocab_size), packed)
+    return split_tail(full, args.val_fraction, packed)
+
+
+def split_tail(full: Dataset, val_fraction: float, packed: bool) -> TrainData:
+    """The tail of `full` held out, so the split is the same on every rank and every run."""
+    n_val = int(len(full) * val_fraction)
     if n_val == 0:
-        return TrainData(full, None)
-    # The tail is held out, so the split is the same on every rank and every run.
+        return TrainData(full, None, packed)
     n_train = len(full) - n_val
-    return TrainData(Subset(full, range(n_train)), Subset(full, range(n_train, len(full))))
+    return TrainData(Subset(full, range(n_train)), Subset(full, range(n_train, len(full))), packed)
 
 
 def make_train_loader(dataset, sampler, args, pin_memory: bool) -> DataLoader:

@@ -22,7 +22,7 @@ class StepContext:
     world_size: int
     autocast: AbstractContextManager = nullcontext()  # torch.autocast, or nothing for fp32
     doc_mask: bool = False  # attention stays inside each document of a packed window
-    bos_id: int | None = None  # where documents start, for doc_mask
+    bos_id: int | None = None  # where documents start, for doc_mask, unless the data marks them
     grad_clip: float = 0.0  # 0 or less: no clipping
     hooks: StepHooks = field(default_factory=StepHooks)  # nothing, except in tests (trainer/hooks.py)
 
@@ -46,8 +46,20 @@ class StepResult:
         return (self.stats[0] / self.stats[2]).item()
 
 
+def attention_mask(batch, doc_mask: bool, bos_id: int | None):
+    """The document mask of a batch of packed windows, or None for plain causal attention. A
+    batch is (input ids, next-token targets) or, where the data marks where its documents start,
+    (input ids, targets, starts): conversations, whose every turn begins with BOS. Otherwise
+    each BOS starts a document."""
+    if not doc_mask:
+        return None
+    starts = batch[2] if len(batch) > 2 else batch[0] == bos_id
+    return document_causal_mask(starts)
+
+
 def optimizer_step(ctx: StepContext, micro_batches, requests: Requests = Requests()) -> StepResult:
-    """Forward/backward over the micro-batches of (input ids, next-token targets), and one update.
+    """Forward/backward over the micro-batches of (input ids, next-token targets[, document
+    starts]), and one update.
 
     Every token of the global batch weighs the same: each micro-batch's summed loss
     is divided by the batch's token count over all ranks (DDP then averages the
@@ -58,16 +70,19 @@ def optimizer_step(ctx: StepContext, micro_batches, requests: Requests = Request
     a GPU every read waits for the queued work to finish, so the next step cannot be queued.
     """
     device, accum = ctx.device, len(micro_batches)
-    batches = [(x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in micro_batches]
-    tokens = all_reduce_sum(sum((y != -100).sum() for _, y in batches).double())
-    per_rank_tokens = (tokens / ctx.world_size).float()
+    batches = [[t.to(device, non_blocking=True) for t in batch] for batch in micro_batches]
+    tokens = all_reduce_sum(sum((batch[1] != -100).sum() for batch in batches).double())
+    # At least one: a global batch with no target at all (fine-tuning data where every
+    # conversation lost its replies) then has a zero loss, not 0 / 0.
+    per_rank_tokens = (tokens.clamp(min=1) / ctx.world_size).float()
     loss_sum = torch.zeros((), device=device)
     aux_sum = torch.zeros((), device=device)
-    for i, (x, targets) in enumerate(batches):
+    for i, batch in enumerate(batches):
+        x, targets = batch[0], batch[1]
         # Only the last micro-batch all-reduces gradients; the others accumulate locally.
         with gradient_sync(ctx.net, enabled=i == accum - 1):
             with ctx.autocast:
-                mask = document_causal_mask(x, ctx.bos_id) if ctx.doc_mask else None
+                mask = attention_mask(batch, ctx.doc_mask, ctx.bos_id)
                 out = ctx.net(x, attention_mask=mask, shift_labels=targets, num_items_in_batch=per_rank_tokens)
                 loss = ctx.hooks.loss(out.loss + out.aux_loss / accum)
             ctx.scaler.scale(loss).backward()

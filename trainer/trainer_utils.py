@@ -17,6 +17,7 @@ from model.weights import build_model, load_weights, read_sidecar
 from trainer.checkpoint import CheckpointManager
 from trainer.distributed import Logger, init_distributed_mode, is_main_process
 from trainer.optim import get_lr
+from trainer.run_files import initial_weights
 from trainer.stateful import ModelState
 
 __all__ = ["get_lr", "Logger", "is_main_process", "init_distributed_mode", "setup_seed", "init_model",
@@ -34,11 +35,12 @@ def setup_seed(seed: int):
 
 
 def model_config_from_args(args, vocab_size: int) -> MiniMindConfig:
-    """The model the flags describe, or the config stored beside --from_weight (x.pth -> x.json),
-    which decides the shape flags not typed; typed ones must agree with it."""
-    stored = read_sidecar(args.from_weight) if args.from_weight else None  # raises WeightsError, a UserError
+    """The model the flags describe, or the config stored beside the weights --from_weight names
+    (x.pth -> x.json), which decides the shape flags not typed; typed ones must agree with it."""
+    from_weight = initial_weights(args)
+    stored = read_sidecar(from_weight) if from_weight else None  # raises WeightsError, a UserError
     if stored is not None:
-        config = resolve_config(stored, args.model_flags, f"--from_weight {args.from_weight}")
+        config = resolve_config(stored, args.model_flags, f"--from_weight {from_weight}")
         config.flash_attn = True
         return config
     return MiniMindConfig(
