@@ -109,9 +109,9 @@ def _belongs_to(obj, modname):
     return owner == modname or owner.startswith(modname + ".")
 
 
-def _class_docs(cls):
-    """The class docstring followed by those of its own methods and properties."""
-    docs = [_own_doc(cls)]
+def _class_docs(cls, qualname):
+    """(name, docstring) of the class followed by those of its own methods and properties."""
+    docs = [(qualname, _own_doc(cls))]
     try:
         members = dict(vars(cls))
     except TypeError:
@@ -123,44 +123,51 @@ def _class_docs(cls):
         if inspect.isclass(attr):
             continue  # nested classes are rare and mostly private helpers
         if callable(attr) or isinstance(attr, property):
-            docs.append(_own_doc(attr))
+            docs.append((f"{qualname}.{name}", _own_doc(attr)))
     return docs
 
 
-def collect_module_docs(modname):
-    """Cleaned docstrings (>= MIN_CHARS) of a module, its classes, methods and
-    functions, in sorted-name order. Imports the module: call in a child."""
+def collect_named_docs(modname, min_chars=MIN_CHARS):
+    """(qualified name, cleaned docstring of min_chars or more) of a module, its classes, methods
+    and functions, in sorted-name order. Imports the module: call in a child."""
     import importlib
     module = importlib.import_module(modname)
-    docs = [_own_doc(module)]
+    docs = [(modname, _own_doc(module))]
     namespace = dict(vars(module))
     for name in sorted(namespace):
         obj = namespace[name]
+        qualname = f"{modname}.{name}"
         if name.startswith("__") or inspect.ismodule(obj):
             continue
         if inspect.isclass(obj):
             if _belongs_to(obj, modname):
-                docs.extend(_class_docs(obj))
+                docs.extend(_class_docs(obj, qualname))
         elif inspect.isfunction(obj) or inspect.isbuiltin(obj):
             if _belongs_to(obj, modname):
-                docs.append(_own_doc(obj))
+                docs.append((qualname, _own_doc(obj)))
         else:
             # Instances with a docstring of their own, e.g. typing.Union.
             doc = _own_doc(obj)
             if doc is not None and doc != _own_doc(type(obj)):
-                docs.append(doc)
-    cleaned = (clean_doc(doc) for doc in docs if doc)
-    return [doc for doc in cleaned if len(doc) >= MIN_CHARS]
+                docs.append((qualname, doc))
+    cleaned = ((qualname, clean_doc(doc)) for qualname, doc in docs if doc)
+    return [(qualname, doc) for qualname, doc in cleaned if len(doc) >= min_chars]
 
 
-def _worker_main(modname):
-    """Child entry point: print the module's docs as one JSON list on stdout."""
+def collect_module_docs(modname):
+    """The cleaned docstrings of collect_named_docs, without their names."""
+    return [doc for _, doc in collect_named_docs(modname)]
+
+
+def _worker_main(modname, named=False):
+    """Child entry point: print the module's docs as one JSON list on stdout; with --named, every
+    docstring, however short, as [name, doc] pairs (dataset/demo_sft.py's)."""
     # Route anything the import prints, even from C code, to stderr so that
     # stdout carries nothing but our JSON.
     result_fd = os.dup(1)
     os.dup2(2, 1)
     warnings.simplefilter("ignore")
-    docs = collect_module_docs(modname)
+    docs = collect_named_docs(modname, min_chars=1) if named else collect_module_docs(modname)
     with os.fdopen(result_fd, "w", encoding="utf-8") as out:
         json.dump(docs, out, ensure_ascii=False)
 
@@ -168,11 +175,11 @@ def _worker_main(modname):
 # -----------------------------------------------------------------------------
 # Build (parent process)
 
-def _run_worker(modname, timeout):
+def _run_worker(modname, timeout, named=False):
     """Docs of one module from an isolated child, or None if it failed or hung."""
     # -I: ignore PYTHON* env vars and the script's folder on sys.path;
     # -S: no site-packages, so only the stdlib itself can be imported.
-    cmd = [sys.executable, "-I", "-S", str(Path(__file__).resolve()), modname]
+    cmd = [sys.executable, "-I", "-S", str(Path(__file__).resolve()), modname, *(["--named"] if named else [])]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     try:
@@ -255,4 +262,4 @@ def format_summary(summary):
 
 
 if __name__ == "__main__":
-    _worker_main(sys.argv[1])  # a child of _run_worker
+    _worker_main(sys.argv[1], named="--named" in sys.argv[2:])  # a child of _run_worker

@@ -27,6 +27,8 @@ from torch.utils.data import Dataset
 from common.errors import DataError
 
 FORMAT = "minimind-packed-v1"
+SFT_FORMAT = "minimind-sft-packed-v1"  # conversations, with their loss spans (dataset/sft_dataset.py)
+WHICH_SCRIPT = {FORMAT: "trainer/train_pretrain.py", SFT_FORMAT: "trainer/train_full_sft.py"}
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 META_KEYS = ("format", "dtype", "vocab_size", "num_tokens", "num_docs",
              "bos_token_id", "eos_token_id", "tokenizer")
@@ -42,12 +44,12 @@ def dtype_for_vocab(vocab_size):
 
 
 def write_meta(bin_path, *, vocab_size, num_tokens, num_docs, bos_token_id, eos_token_id,
-               tokenizer, dtype=None, max_token_id=None):
+               tokenizer, dtype=None, max_token_id=None, format_=FORMAT, **extra):
     """Write the JSON sidecar next to the finished bin_path and return the dict written.
     max_token_id (the writer saw every token) is stamped with the file's size and mtime, so a
-    reader trusts it only for the very file it was counted on."""
+    reader trusts it only for the very file it was counted on. `extra`: a format's own keys."""
     meta = {
-        "format": FORMAT,
+        "format": format_,
         "dtype": dtype or dtype_for_vocab(vocab_size),
         "vocab_size": int(vocab_size),
         "num_tokens": int(num_tokens),
@@ -55,6 +57,7 @@ def write_meta(bin_path, *, vocab_size, num_tokens, num_docs, bos_token_id, eos_
         "bos_token_id": int(bos_token_id),
         "eos_token_id": int(eos_token_id),
         "tokenizer": str(tokenizer),
+        **extra,
     }
     if max_token_id is not None:
         stat = os.stat(bin_path)
@@ -65,7 +68,7 @@ def write_meta(bin_path, *, vocab_size, num_tokens, num_docs, bos_token_id, eos_
     return meta
 
 
-def read_meta(bin_path):
+def read_meta(bin_path, format_=FORMAT):
     """Read and check the sidecar of bin_path, including that the .bin has the size it promises."""
     bin_path, side = Path(bin_path), meta_path(bin_path)
     if not bin_path.is_file():
@@ -79,8 +82,11 @@ def read_meta(bin_path):
         raise DataError(f"{side}: corrupt metadata, not valid JSON ({e}); {RERUN}") from None
     if not isinstance(meta, dict):
         raise DataError(f"{side}: corrupt metadata, expected a JSON object; {RERUN}")
-    if meta.get("format") != FORMAT:
-        raise DataError(f"{side}: format is {meta.get('format')!r}, expected {FORMAT!r}; {RERUN}")
+    if meta.get("format") in WHICH_SCRIPT and meta["format"] != format_:
+        raise DataError(f"{bin_path}: is {meta['format']} data, which {WHICH_SCRIPT[meta['format']]} trains on; "
+                        f"this script reads {format_} (scripts/prepare_data.py{' --sft' if format_ == SFT_FORMAT else ''})")
+    if meta.get("format") != format_:
+        raise DataError(f"{side}: format is {meta.get('format')!r}, expected {format_!r}; {RERUN}")
     missing = [k for k in META_KEYS if k not in meta]
     if missing:
         raise DataError(f"{side}: corrupt metadata, missing {', '.join(missing)}; {RERUN}")

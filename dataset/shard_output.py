@@ -24,7 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from common.errors import DataError
-from dataset.packed_dataset import DTYPES, meta_path, write_meta
+from dataset.packed_dataset import DTYPES, SFT_FORMAT, meta_path, write_meta
+from dataset.sft_dataset import block_rows, blocks_path
 from dataset.shards import PREP_DIR, SHARED_KEYS, write_json_atomic, write_manifest
 
 
@@ -66,6 +67,50 @@ class StreamWriter:
             self.file.close()
         for leftover in (self.tmp, meta_path(self.tmp)):
             leftover.unlink(missing_ok=True)
+
+
+class SFTWriter(StreamWriter):
+    """Conversations (dataset/chat.py's Encoded) as one packed SFT stream: the tokens, and the
+    blocks table beside them (dataset/sft_dataset.py), renamed into place when complete."""
+
+    def __init__(self, out_path, common):
+        super().__init__(out_path, dict(common, format_=SFT_FORMAT))
+        self.blocks_tmp = Path(blocks_path(self.tmp))
+        self.blocks_file, self.num_blocks, self.trained_tokens = None, 0, 0
+
+    def write_conversations(self, conversations):
+        if self.blocks_file is None:
+            self.start_input(0)
+            self.blocks_file = open(self.blocks_tmp, "wb")
+        dtype, first = DTYPES[self.common["dtype"]], self.num_tokens
+        rows = []
+        for k, encoded in enumerate(conversations):
+            rows.append(block_rows(encoded, first, self.num_docs + k))
+            first += len(encoded.ids)
+            self.trained_tokens += sum(encoded.trained)
+        tokens = np.fromiter((i for e in conversations for i in e.ids), dtype=dtype, count=first - self.num_tokens)
+        table = np.concatenate(rows) if rows else np.empty((0, 4), dtype=np.int64)
+        table.tofile(self.blocks_file)
+        self.num_blocks += len(table)
+        self.write(tokens, [len(e.ids) for e in conversations])
+
+    def close(self):
+        if self.blocks_file is not None:
+            self.blocks_file.close()
+        if self.num_docs and not self.trained_tokens:
+            self.abort()
+            raise DataError(f"{self.out_path}: no assistant turn in any conversation of the input: fine-tuning "
+                            f"trains on the assistant's replies")
+        self.common["num_blocks"] = self.num_blocks
+        if self.num_docs:
+            os.replace(self.blocks_tmp, blocks_path(self.out_path))
+        super().close()
+
+    def abort(self):
+        if self.blocks_file is not None:
+            self.blocks_file.close()
+        self.blocks_tmp.unlink(missing_ok=True)
+        super().abort()
 
 
 class ShardDirectory:

@@ -1,7 +1,9 @@
 """
-Tokenize a corpus once into the flat token stream read by PackedPretrainDataset.
+Tokenize a corpus once into the flat token stream read by PackedPretrainDataset, or
+(--sft) conversations into the packed file read by PackedSFTDataset.
 
     python scripts/prepare_data.py --data_path corpus.jsonl --out_path corpus.bin
+    python scripts/prepare_data.py --sft --data_path sft_mini_512.jsonl --out_path sft.bin
     python scripts/prepare_data.py --data_path 'data/*.parquet' --out_path data_bin/   # one shard per file
     # on machine I of N, all into one shared directory:
     python scripts/prepare_data.py --data_path 'data/*.jsonl' --out_path /shared/bin --num_shards N --shard_index I
@@ -32,10 +34,12 @@ import numpy as np
 from tqdm import tqdm
 
 from common.errors import DataError, report_user_errors
+from dataset.chat import encode, parse_conversation, render
 from dataset.lm_dataset import iter_raw_lines, load_tokenizer
 from dataset.packed_dataset import DTYPES, dtype_for_vocab
+from dataset.sft_dataset import NEEDS as CONVERSATION_LINES
 from dataset.sources import TEXT_SUFFIXES, decode_record, is_parquet, read_chunks, resolve_data_paths
-from dataset.shard_output import ShardDirectory, StreamWriter
+from dataset.shard_output import SFTWriter, ShardDirectory, StreamWriter
 
 SHOW_BAD = 10  # how many bad locations to keep for the summary with --skip_bad_lines
 
@@ -72,6 +76,14 @@ def encode_chunk(task):
     return index, done, tokens, doc_lens, bad
 
 
+def encode_conversations(task):
+    """task = (path, [(line number, raw line), ...]) -> each conversation's Encoded (dataset/chat.py),
+    rendered as the chat template renders it, with no augmentation and uncut."""
+    path, lines = task
+    return [encode(_worker["tokenizer"], render(parse_conversation(raw, f"{path}:{line_number}")))
+            for line_number, raw in lines]
+
+
 # -----------------------------------------------------------------------------
 # main process: read chunks, collect results in order, write
 
@@ -81,16 +93,16 @@ def all_tasks(inputs, chunk_lines, text_column):
             yield index, str(path), kind, records, done
 
 
-def encode_all(tasks, num_proc, init_args):
-    """Yield encode_chunk results in input order, from a pool of num_proc processes."""
+def encode_all(tasks, num_proc, init_args, work=encode_chunk):
+    """Yield the results of work(task) in input order, from a pool of num_proc processes."""
     if num_proc <= 1:  # no pool: easier to debug and profile
         init_worker(*init_args)
-        yield from map(encode_chunk, tasks)
+        yield from map(work, tasks)
         return
     # imap's feeder thread blocks once the pipe to the workers is full, so read-ahead stays
     # bounded and results come back in input order.
     with Pool(num_proc, initializer=init_worker, initargs=init_args) as pool:
-        yield from pool.imap(encode_chunk, tasks)
+        yield from pool.imap(work, tasks)
 
 
 def check_input(path, text_column):
@@ -149,6 +161,44 @@ def prepare(data_path, out_path, tokenizer_path=None, num_proc=None, skip_bad_li
     return dict(figures, out_path=str(out_path), manifest=manifest)
 
 
+def prepare_sft(data_path, out_path, tokenizer_path=None, num_proc=None, chunk_lines=1000):
+    """Conversations (.jsonl files: a file, a directory or a quoted glob) into one packed SFT
+    .bin; a bad line stops it, naming the line. Returns the counts."""
+    t0, out_path = time.time(), Path(out_path)
+    if out_path.suffix != ".bin":
+        raise DataError(f"--out_path {out_path}: --sft writes one .bin (and its .bin.json, .bin.blocks); "
+                        f"pass a path ending in .bin")
+    inputs = resolve_data_paths(data_path, (".jsonl",))
+    tokenizer_path = Path(tokenizer_path) if tokenizer_path else REPO_ROOT / "model"
+    tokenizer = load_tokenizer(tokenizer_path)
+    common = {"dtype": dtype_for_vocab(len(tokenizer)), "vocab_size": len(tokenizer),
+              "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+              "tokenizer": str(tokenizer_path)}
+    tasks = ((str(path), chunk) for path in inputs for chunk in _line_chunks(path, chunk_lines))
+    out = SFTWriter(out_path, common)
+    try:
+        for conversations in encode_all(tasks, max(1, num_proc or os.cpu_count() or 1),
+                                        (tokenizer_path, common["dtype"], "text"), work=encode_conversations):
+            out.write_conversations(conversations)
+        out.close()
+    except BaseException:
+        out.abort()
+        raise
+    return {"conversations": out.num_docs, "tokens": out.num_tokens, "trained_tokens": out.trained_tokens,
+            "seconds": round(time.time() - t0, 3), "out_path": str(out_path)}
+
+
+def _line_chunks(path, chunk_lines):
+    chunk = []
+    for line_number, _, raw in iter_raw_lines(path, "--data_path", CONVERSATION_LINES):
+        chunk.append((line_number, raw))
+        if len(chunk) == chunk_lines:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
 def resource_figures():
     """Peak resident memory of this process and of the largest pool worker (MB), and the CPU
     seconds of all of them: tokens per CPU second does not depend on how busy the machine is."""
@@ -205,7 +255,15 @@ def main():
     parser.add_argument("--skip_bad_lines", action="store_true",
                         help="count and skip bad lines (or Parquet rows) instead of stopping at the first")
     parser.add_argument("--chunk_lines", type=int, default=1000, help="documents per task sent to a worker")
+    parser.add_argument("--sft", action="store_true",
+                        help="conversations ({\"conversations\": [...]} lines) for train_full_sft.py: one .bin "
+                             "of their tokens with their loss spans (.bin.blocks)")
     args = parser.parse_args()
+    if args.sft:
+        stats = prepare_sft(args.data_path, args.out_path, args.tokenizer_path, args.num_proc, args.chunk_lines)
+        print(f"{stats['conversations']:,} conversations, {stats['tokens']:,} tokens ({stats['trained_tokens']:,} "
+              f"trained) in {stats['seconds']:.1f} s -> {stats['out_path']}")
+        return
     stats = prepare(args.data_path, args.out_path, args.tokenizer_path, args.num_proc, args.skip_bad_lines,
                     args.chunk_lines, args.text_column, args.shard_tokens, args.num_shards, args.shard_index)
     print(summary(stats))

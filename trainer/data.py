@@ -1,4 +1,4 @@
-"""Datasets, the resumable sampler and the loaders of train_pretrain.py.
+"""Datasets, the resumable sampler and the loaders of the training stages (trainer/loop.py).
 
 trainer/train_state.py says why every run, one process or many, reads its samples
 through a DistributedSampler, and where in the data each optimizer step starts.
@@ -11,8 +11,10 @@ from torch.utils.data import ConcatDataset, DataLoader, Dataset, DistributedSamp
 from common.errors import UserError
 from dataset.lm_dataset import NextTokenTargets, PretrainDataset
 from dataset.packed_dataset import PackedPretrainDataset
+from dataset.sft_dataset import ChatOptions, PackedSFTDataset, SFTDataset
 from dataset.shards import MANIFEST, PREP_DIR, ShardedPackedDataset
 from dataset.sources import GLOB_CHARS, resolve_data_paths
+from trainer.distributed import Logger
 
 
 class ResumableDistributedSampler(DistributedSampler):
@@ -79,6 +81,34 @@ def build_data(args, tokenizer, vocab_size: int) -> TrainData:
         return TrainData(full, open_dataset(args.val_data_path, "--val_data_path", tokenizer, args.max_seq_len,
                                             vocab_size), packed)
     return split_tail(full, args.val_fraction, packed)
+
+
+def open_conversations(path: str, flag: str, tokenizer, max_seq_len: int, vocab_size: int, options: ChatOptions):
+    """A .jsonl of conversations (MiniMind's, padded) or a .bin of them (prepare_data.py --sft, packed)."""
+    suffix = Path(path).suffix
+    if suffix == ".bin":
+        return PackedSFTDataset(path, max_seq_len, vocab_size=vocab_size, tokenizer=tokenizer,
+                                pad_id=tokenizer.pad_token_id)
+    if suffix in (".jsonl", ".json"):
+        return SFTDataset(path, tokenizer, max_seq_len, options, flag)
+    raise UserError(f"{flag} {path}: fine-tuning reads a .jsonl of conversations, or the .bin that "
+                    f"scripts/prepare_data.py --sft makes of one")
+
+
+def build_sft_data(args, tokenizer, vocab_size: int) -> TrainData:
+    """Fine-tuning's samples: conversations from --data_path, and --val_data_path or the tail."""
+    options = ChatOptions(args.add_system_ratio, args.empty_think_ratio, args.seed)
+    full = open_conversations(args.data_path, "--data_path", tokenizer, args.max_seq_len, vocab_size, options)
+    packed = isinstance(full, PackedSFTDataset)
+    val = None
+    if args.val_data_path:
+        val = open_conversations(args.val_data_path, "--val_data_path", tokenizer, args.max_seq_len, vocab_size,
+                                 ChatOptions())  # held-out text as it is
+    for name, dataset in (("--data_path", full), ("--val_data_path", val)):
+        if dataset is not None and dataset.skipped:
+            Logger(f"{name}: {dataset.skipped:,} conversations skipped: none of their complete turns within "
+                   f"--max_seq_len {args.max_seq_len} tokens holds an assistant reply")
+    return TrainData(full, val, packed) if val is not None else split_tail(full, args.val_fraction, packed)
 
 
 def split_tail(full: Dataset, val_fraction: float, packed: bool) -> TrainData:

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from common.errors import DataError
+from dataset.chat import generation_prompt
 from dataset.lm_dataset import iter_raw_lines
 from trainer.distributed import all_reduce_sum
 
@@ -102,11 +103,11 @@ def parse_item(raw: bytes, where: str) -> TaskItem:
 # -----------------------------------------------------------------------------
 # tokenizing: lm-eval's split of context and continuation
 
-def encode_item(tokenizer, item: TaskItem, bos: bool = True) -> EncodedItem:
+def encode_item(tokenizer, item: TaskItem, bos: bool = True, delimiter: str = TARGET_DELIMITER) -> EncodedItem:
     prefix = [tokenizer.bos_token_id] if bos else []
     conts = []
     for choice in item.choices:
-        context, continuation = item.context, TARGET_DELIMITER + choice
+        context, continuation = item.context, delimiter + choice
         if not context:
             # lm-eval conditions an empty context on the BOS token (its prefix_token_id).
             context_ids, cont_ids = [tokenizer.bos_token_id], tokenizer.encode(continuation, add_special_tokens=False)
@@ -124,7 +125,14 @@ def encode_item(tokenizer, item: TaskItem, bos: bool = True) -> EncodedItem:
     return EncodedItem(tuple(context_ids), tuple(conts), tuple(len(c) for c in item.choices), item.label)
 
 
-def encode_task(tokenizer, items, bos: bool = True) -> list[EncodedItem]:
+def encode_task(tokenizer, items, bos: bool = True, chat: bool = False) -> list[EncodedItem]:
+    """chat: each context is asked as a chat model is asked (lm_eval --apply_chat_template): as a
+    user turn, then the prompt to answer, and the choice follows the prompt with no delimiter.
+    The rendered prompt starts with BOS already (add_bos_token=False in lm_eval)."""
+    if chat:
+        asked = [TaskItem(generation_prompt([{"role": "user", "content": item.context}]), item.choices, item.label)
+                 for item in items]
+        return [encode_item(tokenizer, item, bos=False, delimiter="") for item in asked]
     return [encode_item(tokenizer, item, bos) for item in items]
 
 

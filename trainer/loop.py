@@ -54,6 +54,7 @@ class Stage:
     defaults: dict = field(default_factory=dict)  # flag defaults other than pre-training's
     add_flags: Callable | None = None  # (parser) -> None: the stage's own flags
     check_args: Callable | None = None  # (args) -> None, raising UserError
+    chat: bool = False  # the model it trains answers in turns: --eval_task asks it so (trainer/downstream.py)
 
 
 def train(args, env, stage: "Stage") -> int:
@@ -66,7 +67,8 @@ def train(args, env, stage: "Stage") -> int:
     check_model_fits(args, tokenizer, config)
     ensure_data(args, env.local_rank, stage)
     data = stage.build_data(args, tokenizer, config.vocab_size)
-    task = encode_task(tokenizer, load_task(args.eval_task)) if args.eval_task else None  # a bad file stops here
+    # A bad task file stops here. A chat model's stage asks the task's questions as chat turns.
+    task = encode_task(tokenizer, load_task(args.eval_task), chat=stage.chat) if args.eval_task else None
     plan = plan_steps(args, len(data.train), world_size)
     total_steps = plan.total_steps
 

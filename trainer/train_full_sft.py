@@ -1,0 +1,76 @@
+"""Supervised fine-tuning of MiniMind on conversations: a pre-trained model learns to answer.
+Launched the four ways pre-training is:
+
+    python trainer/train_full_sft.py                          # one process, CPU or GPU
+    torchrun --nproc_per_node=N trainer/train_full_sft.py     # N processes, DDP
+    torchrun --nnodes=2 --node_rank=R --master_addr=A --master_port=P --nproc_per_node=N trainer/train_full_sft.py
+    python -m torch.distributed.launch --nproc_per_node=N trainer/train_full_sft.py   # legacy launcher
+
+The loop is trainer/loop.py's, the one pre-training runs: resume, checkpoints, DDP and FSDP2,
+the global batch, preemption, elastic restarts, metrics and the profiler are its. What is
+fine-tuning's own: its data, conversations in MiniMind's JSONL (padded) or packed by
+`scripts/prepare_data.py --sft` (dataset/sft_dataset.py), the loss on the assistant's replies
+only (dataset/chat.py); its first weights, by default the pre-trained ones
+(--from_weight pretrain: {save_dir}/pretrain_{hidden}[_moe].pth); and its defaults, MiniMind's
+(2 epochs, batch 16, --save_weight full_sft) but for the learning rates, measured for our
+model sizes (docs/sft.md).
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common.errors import UserError  # noqa: E402
+from dataset.demo_sft import DEMO_SFT, ensure_demo_sft  # noqa: E402
+from trainer.data import build_sft_data  # noqa: E402
+from trainer.loop import Stage, run  # noqa: E402
+
+SFT_DEFAULTS = {
+    "save_weight": "full_sft", "from_weight": "pretrain", "data_path": str(DEMO_SFT),
+    "wandb_project": "MiniMind-Full-SFT", "epochs": 2, "batch_size": 16, "max_seq_len": 768,
+    "learning_rate": 3e-4, "muon_lr": 2e-3,
+    "doc_mask": 1,  # packed windows hold several conversations: each attends to itself only
+}
+
+
+def conversation_flags(p):
+    chat = p.add_argument_group("conversations")
+    chat.add_argument("--add_system_ratio", type=float, default=0.0,
+                      help="the share of conversations without a system turn (and without tools) that get one of "
+                           "dataset/sft_dataset.py's system prompts, drawn per sample from --seed (MiniMind: 0.2)")
+    chat.add_argument("--empty_think_ratio", type=float, default=1.0,
+                      help="the share of samples whose assistant turns keep an empty <think> block, as the chat "
+                           "template renders them (MiniMind: 0.2)")
+
+
+def check_conversation_args(args):
+    for flag in ("add_system_ratio", "empty_think_ratio"):
+        value = getattr(args, flag)
+        if not 0 <= value <= 1:
+            raise UserError(f"--{flag} must be a share from 0 to 1, got {value}")
+    augments = args.add_system_ratio > 0 or args.empty_think_ratio < 1
+    if augments and Path(args.data_path).suffix == ".bin":
+        raise UserError(f"--data_path {args.data_path}: a packed file holds its conversations rendered once, as the "
+                        f"template renders them; --add_system_ratio and --empty_think_ratio draw when a .jsonl "
+                        f"line is read: pass the .jsonl, or drop them")
+
+
+SFT = Stage(
+    name="train_full_sft.py",
+    description="MiniMind supervised fine-tuning on conversations (single process, torchrun DDP/FSDP, multi-node)",
+    build_data=build_sft_data,
+    demo_data=DEMO_SFT,
+    build_demo=ensure_demo_sft,
+    defaults=SFT_DEFAULTS,
+    add_flags=conversation_flags,
+    check_args=check_conversation_args,
+    chat=True,
+)
+
+
+def main(argv=None):
+    run(SFT, argv)
+
+
+if __name__ == "__main__":
+    main()
