@@ -71,10 +71,11 @@ def conversation_of(qualname: str, doc: str) -> list[dict] | None:
     return turns
 
 
-def build_demo_sft(train_path=DEMO_SFT, held_out_path=DEMO_SFT_HELDOUT, jobs=2, timeout=DEFAULT_TIMEOUT) -> dict:
+def build_demo_sft(train_path=DEMO_SFT, held_out_path=DEMO_SFT_HELDOUT, modules=None, jobs=2,
+                   timeout=DEFAULT_TIMEOUT) -> dict:
     """Write both splits (atomically) and return their counts. One answer is used once: a
     docstring inherited by many methods makes one conversation, not many."""
-    modules = discover_modules()
+    modules = list(modules) if modules is not None else discover_modules()
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         results = list(pool.map(lambda name: _run_worker(name, timeout, named=True), modules))
     splits, answers = {False: [], True: []}, set()

@@ -1,6 +1,8 @@
-"""Generate text with a trained MiniMind, or measure its perplexity on held-out JSONL.
+"""Generate text with a trained MiniMind, chat with a fine-tuned one, or measure its perplexity
+on held-out JSONL.
 
     python scripts/eval_llm.py --prompt "Once upon a time"              # out/pretrain_512.pth
+    python scripts/eval_llm.py --weight_path out/full_sft_512.pth --chat --prompt 'What does `json.dumps` do?'
     python scripts/eval_llm.py --hidden_size 768                         # interactive, in a terminal
     python scripts/eval_llm.py --hf_dir hf_out --prompt "..." --prompt "..." --greedy
     python scripts/eval_llm.py --weight_path checkpoints/pretrain_512_resume.pth --ppl_data val.jsonl
@@ -10,7 +12,12 @@ The weights may be a .pth or .safetensors (the config beside it, x.pth -> x.json
 trainer writes, describes the model; without one, the shape flags do), a resume checkpoint
 or a folder written by convert_model.py (a stored config wins; flags passed must agree).
 A pretrained model continues text, so a prompt is fed as BOS + prompt, the same layout
-as the training samples.
+as the training samples. With --chat, a prompt is a user's turn: the conversation so far is
+rendered by the chat template (dataset/chat.py), the model answers after the generation
+prompt and stops at <|im_end|>; in a terminal the conversation goes on turn after turn.
+
+--ppl_data takes text ({"text": ...} lines: loss over every token after BOS) or conversations
+({"conversations": [...]} lines: loss over the assistant's replies, as fine-tuning trains them).
 
 --task scores a multiple-choice task file (trainer/downstream.py: lm-evaluation-harness's
 acc and acc_norm, with their standard errors) and prints them as the last line:
@@ -18,6 +25,7 @@ acc and acc_norm, with their standard errors) and prints them as the last line:
 """
 import math
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -26,7 +34,8 @@ sys.path.insert(0, str(REPO_ROOT))
 import torch
 
 from common.errors import WeightsError, report_user_errors
-from dataset.lm_dataset import frame_document, iter_jsonl_texts, load_tokenizer
+from dataset.chat import generation_prompt
+from dataset.lm_dataset import frame_document, iter_jsonl_texts, iter_raw_lines, load_tokenizer
 from dataset.token_bytes import bits_per_byte, target_bytes, token_byte_lengths
 from model.shape_flags import SHAPE_FLAGS, flag_default
 from model.weights import load_model
@@ -69,11 +78,22 @@ class TextStreamer:
 
 def generate_text(model, tokenizer, prompt, args, out=None):
     """Stream a continuation of `prompt` to `out`; returns the new token ids."""
-    device = next(model.parameters()).device
     ids = [tokenizer.bos_token_id] + tokenizer(prompt, add_special_tokens=False).input_ids
-    input_ids = torch.tensor([ids], device=device)
     out = out or sys.stdout
     out.write(prompt)
+    return generate_ids(model, tokenizer, ids, args, out)
+
+
+def chat_reply(model, tokenizer, turns, args, out=None):
+    """Stream the assistant's answer to the conversation `turns` to `out`; returns its token ids
+    (through <|im_end|>, where it stopped there)."""
+    ids = tokenizer(generation_prompt(turns), add_special_tokens=False).input_ids
+    return generate_ids(model, tokenizer, ids, args, out or sys.stdout)
+
+
+def generate_ids(model, tokenizer, ids, args, out):
+    device = next(model.parameters()).device
+    input_ids = torch.tensor([ids], device=device)
     tokens = model.generate(
         input_ids,
         max_new_tokens=args.max_new_tokens,
@@ -131,8 +151,35 @@ def _add_batch(model, batch, pad, device, byte_lengths, docs, tokens, total_loss
             n_bytes + int(target_bytes(targets, byte_lengths)))
 
 
+@torch.no_grad()
+def conversation_loss(model, tokenizer, path, max_seq_len=512, batch_size=8):
+    """(conversations, tokens, mean loss, bits per byte) over the assistant's replies: the very
+    samples and targets fine-tuning trains on (dataset/sft_dataset.py), each conversation alone."""
+    from torch.utils.data import DataLoader
+
+    from dataset.sft_dataset import SFTDataset
+    from trainer.loop import evaluate
+
+    data = SFTDataset(path, tokenizer, max_seq_len, flag="--ppl_data")
+    device = next(model.parameters()).device
+    batches = list(DataLoader(data, batch_size=batch_size))
+    loss, bpb = evaluate(model, batches, nullcontext(), device, token_byte_lengths(tokenizer, model.config.vocab_size))
+    return len(data), sum(int((targets != -100).sum()) for _, targets in batches), loss, bpb
+
+
+def is_conversations(path) -> bool:
+    """Whether a JSONL file's first line is a conversation rather than a text."""
+    for _, _, raw in iter_raw_lines(path, "--ppl_data"):
+        return b'"conversations"' in raw
+    return False
+
+
 def interactive(model, tokenizer, args):
-    print("Type a prompt and press Enter (empty line or Ctrl-D quits).")
+    if args.chat:
+        print("Chat: type a message and press Enter (empty line or Ctrl-D quits).")
+    else:
+        print("Type a prompt and press Enter (empty line or Ctrl-D quits).")
+    turns = []
     while True:
         try:
             prompt = input("> ")
@@ -141,7 +188,12 @@ def interactive(model, tokenizer, args):
             return
         if not prompt.strip():
             return
-        generate_text(model, tokenizer, prompt, args)
+        if not args.chat:
+            generate_text(model, tokenizer, prompt, args)
+            continue
+        turns.append({"role": "user", "content": prompt})
+        reply = tokenizer.decode(chat_reply(model, tokenizer, turns, args), skip_special_tokens=True)
+        turns.append({"role": "assistant", "content": reply})
 
 
 # -----------------------------------------------------------------------------
@@ -156,7 +208,10 @@ def parse_args(argv=None):
         p.add_argument(f"--{name}", type=int, default=None,
                        help=f"model shape (default {flag_default(name)}; a stored config wins)")
     p.add_argument("--tokenizer_path", help="tokenizer folder (default: --hf_dir if it has one, else model/)")
-    p.add_argument("--prompt", action="append", default=[], help="text to continue; repeatable")
+    p.add_argument("--prompt", action="append", default=[], help="text to continue (with --chat: a user's turn); "
+                   "repeatable")
+    p.add_argument("--chat", action="store_true", help="talk to a fine-tuned model: prompts are user turns, "
+                   "rendered by the chat template; --task asks its questions the same way")
     p.add_argument("--max_new_tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.85)
     p.add_argument("--top_p", type=float, default=0.85)
@@ -229,14 +284,22 @@ def main(argv=None):
                            f"{model.config.vocab_size}: pass --tokenizer_path the tokenizer it was trained with")
     model.to(device)
     torch.manual_seed(args.seed)
-    if args.ppl_data:
+    if args.ppl_data and is_conversations(args.ppl_data):
+        docs, tokens, loss, bpb = conversation_loss(model, tokenizer, args.ppl_data, args.max_seq_len)
+        print(f"ppl_data={args.ppl_data} conversations={docs} reply_tokens={tokens} loss={loss:.6f} "
+              f"ppl={math.exp(loss):.6f} bits_per_byte={bpb:.6f}")
+    elif args.ppl_data:
         docs, tokens, loss, bpb = perplexity(model, tokenizer, args.ppl_data, args.ppl_max_docs, args.max_seq_len)
         print(f"ppl_data={args.ppl_data} docs={docs} tokens={tokens} loss={loss:.6f} ppl={math.exp(loss):.6f} "
               f"bits_per_byte={bpb:.6f}")
     for prompt in args.prompt:
-        generate_text(model, tokenizer, prompt, args)
+        if args.chat:
+            print(f"user: {prompt}\nassistant: ", end="")
+            chat_reply(model, tokenizer, [{"role": "user", "content": prompt}], args)
+        else:
+            generate_text(model, tokenizer, prompt, args)
     if args.task:  # last, so that its line is the output's last line
-        result = evaluate_task(model, encode_task(tokenizer, items, bool(args.task_bos)), device,
+        result = evaluate_task(model, encode_task(tokenizer, items, bool(args.task_bos), chat=args.chat), device,
                                batch_size=args.batch_size)
         print(f"task={args.task} items={result.n} chance={chance_level(items):.4f}")
         print(result.line())

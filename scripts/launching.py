@@ -8,6 +8,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TRAIN = REPO_ROOT / "trainer" / "train_pretrain.py"
+TRAIN_SFT = REPO_ROOT / "trainer" / "train_full_sft.py"
 PYTHON = sys.executable
 _TORCHRUN_BIN = Path(PYTHON).parent / "torchrun"
 TORCHRUN = [str(_TORCHRUN_BIN)] if _TORCHRUN_BIN.exists() else [PYTHON, "-m", "torch.distributed.run"]

@@ -27,6 +27,7 @@ from trainer.downstream import (
 
 TASK_DIR = REPO_ROOT / "dataset" / "tasks"
 TASK = TASK_DIR / "minimind_heldout.jsonl"
+SFT_TASK = TASK_DIR / "minimind_sft_heldout.jsonl"  # the demo conversations' held-out task
 RESULT_LINE = re.compile(r"acc=(\S+) acc_norm=(\S+) acc_stderr=(\S+) acc_norm_stderr=(\S+)")
 
 
@@ -305,6 +306,33 @@ def test_lm_eval_agrees_with_our_scorer(tiny, tokenizer, monkeypatch, keep_rando
             assert 0 <= theirs[f"{key},none"] <= 1
             assert theirs[f"{key},none"] == pytest.approx(getattr(ours[bos], key), abs=1e-6)
             assert theirs[f"{key}_stderr,none"] == pytest.approx(getattr(ours[bos], f"{key}_stderr"), abs=1e-6)
+
+
+def test_lm_eval_with_the_chat_template_agrees_with_our_chat_scorer(tiny, tokenizer, monkeypatch, keep_random_state):
+    """`lm_eval --apply_chat_template` on the export asks each question as a user turn, in the
+    template the export carries, and scores the choices after the generation prompt: our chat
+    mode (encode_task(chat=True), eval_llm.py --chat, the fine-tuning stage's --eval_task)."""
+    lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install -r requirements-eval.txt)")
+    from lm_eval.tasks import TaskManager
+
+    for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(name, "1")
+    root, model = tiny
+    limit = 40
+    items = encode_task(tokenizer, load_task(SFT_TASK)[:limit], chat=True)
+    assert tokenizer.decode(items[0].context_ids).startswith("<|im_start|>user\n")
+    ours = evaluate_task(model, items)
+    out = lm_eval.simple_evaluate(
+        model="hf", model_args=f"pretrained={root / 'hf'},dtype=float32", tasks=["minimind_sft_heldout"],
+        task_manager=TaskManager(include_path=str(TASK_DIR), include_defaults=False), device="cpu", batch_size=16,
+        limit=limit, log_samples=True, apply_chat_template=True)
+    theirs = out["results"]["minimind_sft_heldout"]
+    samples = sorted(out["samples"]["minimind_sft_heldout"], key=lambda sample: sample["doc_id"])
+    their_lls = [[resp[0][0] for resp in sample["resps"]] for sample in samples]
+    assert len(their_lls) == limit
+    assert flat(choice_logprobs(model, items)) == pytest.approx(flat(their_lls), abs=1e-4)
+    for key in ("acc", "acc_norm"):
+        assert theirs[f"{key},none"] == pytest.approx(getattr(ours, key), abs=1e-6)
 
 
 # ---------------------------------------------------------------------------- in the training loop
