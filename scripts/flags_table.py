@@ -1,5 +1,5 @@
-"""The flag reference of trainer/train_pretrain.py, generated from its parser, so that the
-documentation cannot drift from --help:
+"""The flag reference of trainer/train_pretrain.py, and what trainer/train_full_sft.py changes,
+generated from their parsers, so that the documentation cannot drift from --help:
 
     python scripts/flags_table.py > docs/flags.md     # tests/test_docs.py fails when they differ
 """
@@ -10,6 +10,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.args import MINIMIND_FLAGS, build_parser  # noqa: E402
+from trainer.train_full_sft import SFT  # noqa: E402
 
 
 def default_text(action, repo_root: str) -> str:
@@ -43,7 +44,27 @@ def table() -> str:
             help_text = (action.help or "").replace("%%", "%").replace("|", "\\|")
             lines.append(f"| `{flag}` | {default_text(action, str(REPO_ROOT))} | {minimind} | {help_text}{choices} |")
         lines.append("")
-    return "\n".join(lines)
+    return "\n".join(lines + sft_section(parser))
+
+
+def sft_section(pretrain) -> list[str]:
+    """train_full_sft.py: the same flags, but for the defaults it changes and the flags it adds."""
+    from trainer.args import REPO_ROOT
+
+    sft = build_parser(SFT)
+    before = {a.dest: a for a in pretrain._actions}
+    lines = ["## trainer/train_full_sft.py", "",
+             "Supervised fine-tuning takes every flag above, with these defaults changed (MiniMind's "
+             "`train_full_sft.py` defaults but for the learning rates, docs/sft.md) and these flags added.", "",
+             "| flag | default | pre-training's | meaning |", "|---|---|---|---|"]
+    for action in sft._actions:
+        old = before.get(action.dest)
+        if not action.option_strings or (old is not None and (old.default, old.help) == (action.default, action.help)):
+            continue
+        was = default_text(old, str(REPO_ROOT)) if old is not None else "(fine-tuning only)"
+        help_text = (action.help or "").replace("%%", "%").replace("|", "\\|")
+        lines.append(f"| `{action.option_strings[0]}` | {default_text(action, str(REPO_ROOT))} | {was} | {help_text} |")
+    return lines + [""]
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import re
 from scripts.flags_table import table
 from scripts.launching import REPO_ROOT
 from trainer.args import MINIMIND_FLAGS, build_parser
+from trainer.train_full_sft import SFT
 
 README = (REPO_ROOT / "README.md").read_text()
 DOCS = {path: path.read_text() for path in sorted((REPO_ROOT / "docs").glob("*.md"))}
@@ -15,7 +16,8 @@ def test_the_flag_reference_is_generated_from_the_parser():
     assert (REPO_ROOT / "docs" / "flags.md").read_text() == table() + "\n", \
         "docs/flags.md is stale: run python scripts/flags_table.py > docs/flags.md"
     documented = set(re.findall(r"^\| `(--[\w-]+)`", DOCS[REPO_ROOT / "docs" / "flags.md"], re.M))
-    parsed = {a.option_strings[0] for a in build_parser()._actions if a.option_strings and a.help != "==SUPPRESS=="}
+    parsed = {a.option_strings[0] for stage in (None, SFT) for a in build_parser(stage)._actions
+              if a.option_strings and a.help != "==SUPPRESS=="}
     assert documented == parsed - {"-h"}
 
 

@@ -79,7 +79,8 @@ def test_no_special_tokens_added(tokenizer):
 def test_chat_template(tokenizer):
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
                                            tokenize=False, add_generation_prompt=True)
-    assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    # MiniMind's template: the model answers after an empty thinking block (dataset/chat.py).
+    assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 
 
 def write_jsonl(path, records):
@@ -98,6 +99,7 @@ def test_train_on_tiny_corpus(tmp_path):
     tok = AutoTokenizer.from_pretrained(str(out_dir), local_files_only=True)
     assert len(tok) == 300
     assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
+    assert tok.chat_template == (REPO_ROOT / "model" / "chat_template.jinja").read_text()  # the one template
     for text in SAMPLES:
         assert tok.decode(tok(text)["input_ids"]) == text
 

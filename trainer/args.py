@@ -29,6 +29,8 @@ def build_parser(stage=None) -> argparse.ArgumentParser:
         if stage.add_flags:
             stage.add_flags(p)
         p.set_defaults(**stage.defaults)
+        for action in p._actions:  # a flag that means something else to the stage says so in --help
+            action.help = stage.help.get(action.dest, action.help)
     return p
 
 

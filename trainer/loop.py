@@ -52,6 +52,7 @@ class Stage:
     demo_data: Path  # the default --data_path, built on first use by build_demo(path)
     build_demo: Callable[[Path], object]
     defaults: dict = field(default_factory=dict)  # flag defaults other than pre-training's
+    help: dict = field(default_factory=dict)  # --help texts other than pre-training's, by flag
     add_flags: Callable | None = None  # (parser) -> None: the stage's own flags
     check_args: Callable | None = None  # (args) -> None, raising UserError
     chat: bool = False  # the model it trains answers in turns: --eval_task asks it so (trainer/downstream.py)

@@ -33,6 +33,17 @@ SFT_DEFAULTS = {
 }
 
 
+SFT_HELP = {
+    "data_path": "conversations: a .jsonl of MiniMind's {\"conversations\": [...]} lines (padded), or the .bin "
+                 "that scripts/prepare_data.py --sft makes of one (packed)",
+    "val_data_path": "held-out conversations (.jsonl or .bin)",
+    "learning_rate": "AdamW's peak lr (MiniMind's SFT: 1e-5, for AdamW on everything)",
+    "doc_mask": "packed data: each conversation attends to itself only (FlexAttention on CUDA, a dense mask on CPU)",
+    "eval_task": "a multiple-choice task (.jsonl, as dataset/tasks/ holds), its questions asked as chat turns, "
+                 "scored with validation",
+}
+
+
 def conversation_flags(p):
     chat = p.add_argument_group("conversations")
     chat.add_argument("--add_system_ratio", type=float, default=0.0,
@@ -62,6 +73,7 @@ SFT = Stage(
     demo_data=DEMO_SFT,
     build_demo=ensure_demo_sft,
     defaults=SFT_DEFAULTS,
+    help=SFT_HELP,
     add_flags=conversation_flags,
     check_args=check_conversation_args,
     chat=True,

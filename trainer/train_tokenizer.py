@@ -30,13 +30,9 @@ BOS_TOKEN = "<|im_start|>"   # id 1
 EOS_TOKEN = "<|im_end|>"     # id 2
 SPECIAL_TOKENS = [PAD_TOKEN, BOS_TOKEN, EOS_TOKEN]
 
-# ChatML, matching the BOS/EOS tokens above.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+# MiniMind's chat format (ChatML with <think> blocks), written with every tokenizer: the one
+# template dataset/chat.py renders in Python for fine-tuning.
+CHAT_TEMPLATE = Path(__file__).resolve().parents[1] / "model" / "chat_template.jinja"
 
 
 def iter_texts(path):
@@ -83,16 +79,16 @@ def tokenizer_config():
         # Cleanup merges spaces before punctuation, which breaks exact round trips.
         "clean_up_tokenization_spaces": False,
         "split_special_tokens": False,
-        "chat_template": CHAT_TEMPLATE,
     }
     return config
 
 
 def save(tokenizer, out_dir):
-    """Write tokenizer.json and tokenizer_config.json into out_dir."""
+    """Write tokenizer.json, tokenizer_config.json and the chat template into out_dir."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(out_dir / "tokenizer.json"))
+    (out_dir / CHAT_TEMPLATE.name).write_text(CHAT_TEMPLATE.read_text())
     with open(out_dir / "tokenizer_config.json", "w", encoding="utf-8") as f:
         json.dump(tokenizer_config(), f, ensure_ascii=False, indent=2)
         f.write("\n")

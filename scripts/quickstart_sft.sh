@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# CPU quick start, second half: fine-tune the quick start's pre-trained model on the demo
+# conversations until it answers, no GPU and no network.
+#
+#   bash scripts/quickstart_sft.sh                   # pre-trains first (scripts/quickstart.sh) if need be
+#   QS_SFT_STEPS=10 QS_HIDDEN=64 QS_LAYERS=2 QS_STEPS=10 QS_OUT=/tmp/qs bash scripts/quickstart_sft.sh   # smoke run
+#
+# Stages: 1 the pre-trained model (out/quickstart/, made by scripts/quickstart.sh when missing),
+# 2 the demo conversations (stdlib docstrings as questions and answers, whole modules held out),
+# their packing and the held-out multiple-choice task, 3 the base model's scores, 4 fine-tuning
+# with torchrun (DDP over 2 CPU processes), 5 the fine-tuned model's scores and its answer to a
+# held-out question, 6 export to a folder that stock transformers chats with. The last line is
+# a one-line summary: held-out reply loss and task accuracy, base against fine-tuned.
+#
+# Every knob is an environment variable: the pre-training ones of scripts/quickstart.sh (QS_OUT,
+# QS_HIDDEN, QS_LAYERS, ...) say which pre-trained model, the QS_SFT_* ones the fine-tuning.
+set -euo pipefail
+
+abspath() { case "$1" in /*) printf '%s\n' "$1" ;; *) printf '%s\n' "$PWD/$1" ;; esac; }
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OUT="$(abspath "${QS_OUT:-$REPO_ROOT/out/quickstart}")"
+cd "$REPO_ROOT"
+PYTHON="${PYTHON:-python}"
+TORCHRUN="${TORCHRUN:-torchrun}"
+
+HIDDEN="${QS_HIDDEN:-128}"
+PRETRAINED="$OUT/quickstart_$HIDDEN.pth"
+SFT_OUT="$OUT/sft"
+NPROC="${QS_NPROC:-2}"
+SEQ="${QS_SFT_SEQ:-256}"                # tokens per packed window: a few demo conversations each
+BATCH="${QS_SFT_BATCH:-4}"              # windows per process per step
+STEPS="${QS_SFT_STEPS:-400}"            # about 2 epochs of the demo conversations at 8 x 256
+LR="${QS_SFT_LR:-1e-3}"                 # AdamW's peak (embedding, norms); docs/sft.md has the sweep
+MUON_LR="${QS_SFT_MUON_LR:-6e-3}"       # Muon's peak (the blocks)
+QUESTION="${QS_SFT_QUESTION:-What does \`calendar.isleap\` do?}"  # calendar is a held-out module
+MAX_NEW_TOKENS="${QS_MAX_NEW_TOKENS:-40}"
+if [[ -n "${QS_PORT:-}" ]]; then RDZV=(--master_port="$QS_PORT"); else RDZV=(--standalone); fi
+
+DATA="$SFT_OUT/data"
+LOGS="$SFT_OUT/logs"
+SFT_PTH="$SFT_OUT/quickstart_sft_$HIDDEN.pth"
+HF_DIR="$SFT_OUT/hf"
+mkdir -p "$DATA" "$LOGS"
+stage() { printf '\n==== [%s] %s  (t=%ss)\n' "$1" "$2" "$SECONDS"; }
+value() { grep -oE "(^| )$1=[^ ]*" "$2" | head -n 1 | cut -d= -f2; }
+
+stage 1/6 "the pre-trained model"
+if [[ -s "$PRETRAINED" ]]; then
+    echo "using $PRETRAINED"
+else
+    bash scripts/quickstart.sh
+fi
+
+stage 2/6 "demo conversations, packing, the held-out task"
+# Built fresh each time (about 10 s): the split holds out whole modules by a hash of their name.
+"$PYTHON" scripts/build_demo_corpus.py --sft --out "$DATA/train.jsonl" --task "$DATA/task.jsonl"
+TQDM_DISABLE=1 "$PYTHON" scripts/prepare_data.py --sft --data_path "$DATA/train.jsonl" --out_path "$DATA/train.bin"
+TQDM_DISABLE=1 "$PYTHON" scripts/prepare_data.py --sft --data_path "$DATA/train_heldout.jsonl" \
+    --out_path "$DATA/heldout.bin" --num_proc 1
+
+# scores FILE WEIGHTS: the held-out reply loss and the task, as a chat model is asked, into FILE.
+scores() {
+    "$PYTHON" scripts/eval_llm.py --weight_path "$2" --device cpu --chat --ppl_data "$DATA/train_heldout.jsonl" \
+        --max_seq_len "$SEQ" --task "$DATA/task.jsonl" | tee "$1"
+}
+
+stage 3/6 "the base model: held-out reply loss, and the task asked as chat turns"
+scores "$LOGS/base.txt" "$PRETRAINED"
+
+stage 4/6 "fine-tuning: $NPROC CPU processes (DDP), $STEPS steps of $((BATCH * NPROC)) x $SEQ tokens"
+rm -rf "$SFT_OUT/checkpoints"
+OMP_NUM_THREADS=1 "$TORCHRUN" "${RDZV[@]}" --nproc_per_node="$NPROC" trainer/train_full_sft.py \
+    --from_weight "$PRETRAINED" --data_path "$DATA/train.bin" --val_data_path "$DATA/heldout.bin" \
+    --eval_task "$DATA/task.jsonl" --max_seq_len "$SEQ" --batch_size "$BATCH" --max_steps "$STEPS" \
+    --learning_rate "$LR" --muon_lr "$MUON_LR" --eval_interval 100 --eval_batches 1000 \
+    --log_interval "$(( STEPS < 100 ? 1 : 20 ))" --save_interval "$STEPS" --num_workers 0 --device cpu \
+    --save_dir "$SFT_OUT" --save_weight quickstart_sft --checkpoint_dir "$SFT_OUT/checkpoints" \
+    2>&1 | tee "$LOGS/train.log"
+
+stage 5/6 "the fine-tuned model: the same scores, and its answer to a held-out question (greedy)"
+scores "$LOGS/sft.txt" "$SFT_PTH"
+"$PYTHON" scripts/eval_llm.py --weight_path "$SFT_PTH" --device cpu --chat --greedy \
+    --max_new_tokens "$MAX_NEW_TOKENS" --prompt "$QUESTION" | tee "$LOGS/answer.txt"
+
+stage 6/6 "export to Hugging Face format, with the chat template"
+"$PYTHON" scripts/convert_model.py --weight_path "$SFT_PTH" --format native --out_dir "$HF_DIR" | tee "$LOGS/export.txt"
+
+# ---- summary ----------------------------------------------------------------------------
+line() {  # line NAME FILE: reply loss, acc and acc_norm with their standard errors
+    printf '%-10s reply_loss=%s acc=%s±%s acc_norm=%s±%s\n' "$1" "$(value loss "$2")" "$(value acc "$2")" \
+        "$(value acc_stderr "$2")" "$(value acc_norm "$2")" "$(value acc_norm_stderr "$2")"
+}
+printf '\n'
+line base "$LOGS/base.txt"
+line sft "$LOGS/sft.txt"
+printf 'chance=%s items=%s\n' "$(value chance "$LOGS/sft.txt")" "$(value items "$LOGS/sft.txt")"
+printf '\nquickstart_sft summary: steps=%s base_reply_loss=%s sft_reply_loss=%s base_acc=%s sft_acc=%s chance=%s wall=%ss\n' \
+    "$STEPS" "$(value loss "$LOGS/base.txt")" "$(value loss "$LOGS/sft.txt")" "$(value acc "$LOGS/base.txt")" \
+    "$(value acc "$LOGS/sft.txt")" "$(value chance "$LOGS/sft.txt")" "$SECONDS"
