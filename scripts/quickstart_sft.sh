@@ -29,9 +29,10 @@ SFT_OUT="$OUT/sft"
 NPROC="${QS_NPROC:-2}"
 SEQ="${QS_SFT_SEQ:-256}"                # tokens per packed window: a few demo conversations each
 BATCH="${QS_SFT_BATCH:-4}"              # windows per process per step
-STEPS="${QS_SFT_STEPS:-400}"            # about 2 epochs of the demo conversations at 8 x 256
-LR="${QS_SFT_LR:-1e-3}"                 # AdamW's peak (embedding, norms); docs/sft.md has the sweep
-MUON_LR="${QS_SFT_MUON_LR:-6e-3}"       # Muon's peak (the blocks)
+EPOCHS="${QS_SFT_EPOCHS:-2}"            # MiniMind's default: about 350 steps of 8 x 256 tokens here
+STEPS="${QS_SFT_STEPS:-0}"              # 0: the epochs decide
+LR="${QS_SFT_LR:-3e-4}"                 # AdamW's peak (embedding, norms): the sweep in docs/sft.md
+MUON_LR="${QS_SFT_MUON_LR:-2e-3}"       # Muon's peak (the blocks)
 QUESTION="${QS_SFT_QUESTION:-What does \`calendar.isleap\` do?}"  # calendar is a held-out module
 MAX_NEW_TOKENS="${QS_MAX_NEW_TOKENS:-40}"
 if [[ -n "${QS_PORT:-}" ]]; then RDZV=(--master_port="$QS_PORT"); else RDZV=(--standalone); fi
@@ -67,13 +68,13 @@ scores() {
 stage 3/6 "the base model: held-out reply loss, and the task asked as chat turns"
 scores "$LOGS/base.txt" "$PRETRAINED"
 
-stage 4/6 "fine-tuning: $NPROC CPU processes (DDP), $STEPS steps of $((BATCH * NPROC)) x $SEQ tokens"
+stage 4/6 "fine-tuning: $NPROC CPU processes (DDP), $EPOCHS epochs of $((BATCH * NPROC)) x $SEQ tokens a step"
 rm -rf "$SFT_OUT/checkpoints"
 OMP_NUM_THREADS=1 "$TORCHRUN" "${RDZV[@]}" --nproc_per_node="$NPROC" trainer/train_full_sft.py \
     --from_weight "$PRETRAINED" --data_path "$DATA/train.bin" --val_data_path "$DATA/heldout.bin" \
-    --eval_task "$DATA/task.jsonl" --max_seq_len "$SEQ" --batch_size "$BATCH" --max_steps "$STEPS" \
+    --eval_task "$DATA/task.jsonl" --max_seq_len "$SEQ" --batch_size "$BATCH" --epochs "$EPOCHS" --max_steps "$STEPS" \
     --learning_rate "$LR" --muon_lr "$MUON_LR" --eval_interval 100 --eval_batches 1000 \
-    --log_interval "$(( STEPS < 100 ? 1 : 20 ))" --save_interval "$STEPS" --num_workers 0 --device cpu \
+    --log_interval 20 --save_interval 100000 --num_workers 0 --device cpu \
     --save_dir "$SFT_OUT" --save_weight quickstart_sft --checkpoint_dir "$SFT_OUT/checkpoints" \
     2>&1 | tee "$LOGS/train.log"
 
@@ -94,6 +95,7 @@ printf '\n'
 line base "$LOGS/base.txt"
 line sft "$LOGS/sft.txt"
 printf 'chance=%s items=%s\n' "$(value chance "$LOGS/sft.txt")" "$(value items "$LOGS/sft.txt")"
+STEPS="$(grep -oE '^done: [0-9]+ steps' "$LOGS/train.log" | grep -oE '[0-9]+')"
 printf '\nquickstart_sft summary: steps=%s base_reply_loss=%s sft_reply_loss=%s base_acc=%s sft_acc=%s chance=%s wall=%ss\n' \
     "$STEPS" "$(value loss "$LOGS/base.txt")" "$(value loss "$LOGS/sft.txt")" "$(value acc "$LOGS/base.txt")" \
     "$(value acc "$LOGS/sft.txt")" "$(value chance "$LOGS/sft.txt")" "$SECONDS"
