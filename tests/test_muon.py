@@ -1,6 +1,7 @@
 """trainer/muon.py: torch.optim.Muon's update, batched by shape, split across ranks (DDP
 and FSDP2), in the run's precision, compiled without recompiles, and resumable bitwise
-(also from a checkpoint torch.optim.Muon wrote)."""
+(also from a checkpoint torch.optim.Muon wrote); its options (Polar Express, NorMuon,
+cautious weight decay) likewise. trainer/newton_schulz.py's iterations."""
 import pytest
 import torch
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_newton_schulz
@@ -9,10 +10,11 @@ from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.assertions import assert_bitwise_equal, assert_clean_exit, assert_same_state
 from scripts.launching import REPO_ROOT
 from tests.jobs import run_trainer
-from tests.run_outputs import latest_checkpoint, out_args
+from tests.run_outputs import latest_checkpoint, latest_link, out_args
 from tests.tiny import TINY
 from tests.fault_injection import fault_env
-from trainer.muon import NS_COEFFICIENTS, Muon, newton_schulz, shard_rows, stacks_of
+from trainer.muon import Muon, normuon, shard_rows, stacks_of
+from trainer.newton_schulz import NS_COEFFICIENTS, NS_METHODS, iteration_plan, newton_schulz
 from trainer.optim import is_block_matrix
 
 
@@ -60,18 +62,48 @@ def test_newton_schulz_orthogonalises():
     assert singular.min() > 0.5 and singular.max() < 1.5
 
 
-def test_the_newton_schulz_flop_formula_is_what_torch_counts():
-    """newton_schulz_flops, which --optimizer auto weighs against the step, against FlopCounterMode."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_polar_express_ends_no_farther_from_the_orthogonal_factor_than_the_quintic(dtype):
+    """On random matrices of the blocks' own shapes at hidden 256 (q/o, k/v, the MLP's both
+    ways), each result's Frobenius distance from U V^T (the exact orthogonal factor, by SVD in
+    float64) under Polar Express is at most the quintic's; measured, about half of it."""
+    model = MiniMindForCausalLM(MiniMindConfig(hidden_size=256, num_hidden_layers=1))
+    shapes = sorted({tuple(p.shape) for n, p in model.named_parameters() if is_block_matrix(n, p)})
+    assert shapes == [(128, 256), (256, 256), (256, 832), (832, 256)]
+    for shape in shapes:
+        x = torch.stack(matrices(shape, shape, seed=len(shapes)))
+        wide = x.mT if shape[0] > shape[1] else x
+        u, _, vh = torch.linalg.svd(wide.double(), full_matrices=False)
+        distance = {}
+        for method in NS_METHODS:
+            plan, safety = iteration_plan(method)
+            distance[method] = (newton_schulz(wide.to(dtype), plan, safety).double() - u @ vh).norm(dim=(-2, -1))
+        assert (distance["polar_express"] <= distance["quintic"]).all(), (shape, distance)
+
+
+def test_polar_express_is_five_published_tuples_and_the_quintic_torchs_one_repeated():
+    plan, safety = iteration_plan("polar_express")
+    assert len(plan) == 5 and len(set(plan)) == 5 and safety == 1.01
+    assert plan[0] == (8.156554524902461, -22.48329292557795, 15.878769915207462)
+    assert iteration_plan("quintic") == ((NS_COEFFICIENTS,) * 5, 1.0)
+    with pytest.raises(ValueError, match="one of"):
+        Muon([torch.nn.Parameter(torch.zeros(4, 4))], ns_method="cubic")
+
+
+@pytest.mark.parametrize("method", NS_METHODS)
+def test_the_newton_schulz_flop_formula_is_what_torch_counts(method):
+    """newton_schulz_flops, which --optimizer auto weighs against the step, against FlopCounterMode,
+    for either method (both run 5 iterations of the same matmuls)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from trainer.muon import newton_schulz_flops
+    from trainer.newton_schulz import newton_schulz_flops
 
     shapes = [(64, 64), (32, 64), (256, 64), (64, 256), (96, 40)]
     params = [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
     for p in params:
         p.grad = torch.randn(p.shape)
     with FlopCounterMode(display=False) as counted:
-        Muon(params).step()
+        Muon(params, ns_method=method).step()
     assert newton_schulz_flops(shapes) == counted.get_total_flops()
 
 
@@ -119,6 +151,54 @@ def test_a_step_in_bf16_is_torch_optim_muons_step():
     assert ours_opt.state[ours[0]].keys() == theirs_opt.state[theirs[0]].keys() == {"momentum_buffer"}
 
 
+# ---------------------------------------------------------------------------- NorMuon
+def test_normuon_hand_computed():
+    """O = [[1, 1], [2, 0]]: row mean squares 1 and 2; from v = 0 with beta2 0.5, v = [0.5, 1].
+    O / sqrt(v) = [[sqrt 2, sqrt 2], [2, 0]], of squared norm 8 where O's is 6, so the update is
+    that times sqrt(6 / 8) = [[sqrt 1.5, sqrt 1.5], [sqrt 3, 0]]. Step 2, O = [[0, 2], [1, 1]]
+    (mean squares 2 and 1): v = 0.5 v + 0.5 [2, 1] = [1.25, 1]; O / sqrt(v) = [[0, 2 / sqrt 1.25],
+    [1, 1]], squared norm 3.2 + 2 = 5.2 against 6."""
+    v = torch.zeros(2)
+    (first,) = normuon([torch.tensor([[1.0, 1.0], [2.0, 0.0]])], [v], beta2=0.5)
+    torch.testing.assert_close(v, torch.tensor([0.5, 1.0]))
+    torch.testing.assert_close(first, torch.tensor([[1.5 ** 0.5, 1.5 ** 0.5], [3 ** 0.5, 0.0]]))
+    (second,) = normuon([torch.tensor([[0.0, 2.0], [1.0, 1.0]])], [v], beta2=0.5)
+    torch.testing.assert_close(v, torch.tensor([1.25, 1.0]))
+    scale = (6 / 5.2) ** 0.5
+    torch.testing.assert_close(second, torch.tensor([[0.0, 2 / 1.25 ** 0.5 * scale], [scale, scale]]))
+    assert second.norm().item() == pytest.approx(6 ** 0.5)
+
+
+def test_normuon_keeps_its_moments_in_the_state_and_a_zero_update_finite():
+    """v, one per row, in the state beside the momentum buffer; a matrix whose gradient is 0
+    (O = 0, v = 0) steps by 0, not NaN."""
+    params = [torch.nn.Parameter(m) for m in matrices((32, 64), (64, 32))]
+    opt = Muon(params, normuon=True)
+    params[0].grad, params[1].grad = torch.randn(32, 64), torch.zeros(64, 32)
+    before = params[1].detach().clone()
+    opt.step()
+    assert [opt.state[p]["row_second_moment"].shape for p in params] == [(32,), (64,)]
+    assert opt.state[params[0]].keys() == {"momentum_buffer", "row_second_moment"}
+    assert (opt.state[params[0]]["row_second_moment"] > 0).all() and torch.equal(params[1], before)
+
+
+# ---------------------------------------------------------------------------- cautious weight decay
+def test_cautious_decay_only_where_the_update_and_the_weight_agree_in_sign():
+    """Zero gradients give O = 0, whose sign agrees with no weight: cautious decay leaves every
+    weight be, where the plain decay shrinks them all. Then a hand-made case of the mask."""
+    from trainer.weight_decay import decay_
+
+    for cautious, shrunk in [(False, True), (True, False)]:
+        params = [torch.nn.Parameter(m) for m in matrices((8, 16))]
+        start = params[0].detach().clone()
+        params[0].grad = torch.zeros(8, 16)
+        Muon(params, lr=0.1, weight_decay=0.5, cautious_wd=cautious).step()
+        assert torch.equal(params[0], start * (1 - 0.05)) if shrunk else torch.equal(params[0], start)
+    weight = torch.tensor([[1.0, -2.0], [3.0, -4.0]])
+    decay_([weight], 0.25, [torch.tensor([[0.5, 0.5], [-1.0, -1.0]])])  # agree, differ; differ, agree
+    assert torch.equal(weight, torch.tensor([[0.75, -2.0], [3.0, -3.0]]))
+
+
 def test_the_compiled_iteration_does_not_recompile_as_the_lr_moves(monkeypatch):
     """compile_ns (on for CUDA runs) compiles the batched iteration alone, which never sees the lr.
     Compiled here with dynamo's eager backend: the same graphs and guards, without code generation."""
@@ -148,11 +228,12 @@ def test_the_compiled_iteration_does_not_recompile_as_the_lr_moves(monkeypatch):
 WORKER = REPO_ROOT / "tests" / "muon_worker.py"
 
 
-def _worker_results(tmp_path, layout, nproc) -> list[dict]:
-    """Each rank's saved weights and Newton-Schulz FLOPs after the worker's three steps."""
+def _worker_results(tmp_path, layout, nproc, options="") -> list[dict]:
+    """Each rank's saved weights (and NorMuon moments) and Newton-Schulz FLOPs after the
+    worker's three steps; options "all": every option of the update on."""
     prefix = tmp_path / layout
-    result = run_trainer([prefix, layout], tmp_path, nproc=nproc, mode="inprocess" if nproc == 1 else "forked",
-                         timeout=300, script=WORKER)
+    result = run_trainer([prefix, layout, options], tmp_path, nproc=nproc,
+                         mode="inprocess" if nproc == 1 else "forked", timeout=300, script=WORKER)
     assert_clean_exit(result.returncode, result.stdout, f"{nproc}-process {layout} Muon")
     return [torch.load(f"{prefix}_rank{r}.pt", weights_only=True) for r in range(nproc)]
 
@@ -160,6 +241,11 @@ def _worker_results(tmp_path, layout, nproc) -> list[dict]:
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     return _worker_results(tmp_path_factory.mktemp("muon_one"), "none", 1)[0]
+
+
+@pytest.fixture(scope="module")
+def one_process_all_options(tmp_path_factory):
+    return _worker_results(tmp_path_factory.mktemp("muon_one_all"), "none", 1, "all")[0]
 
 
 def newton_schulz_share(shapes, layout: str, nproc: int, rank: int) -> float:
@@ -191,25 +277,60 @@ def test_split_over_ranks_gives_the_one_process_weights_bitwise(one_process, tmp
         assert share <= 0.55 if nproc == 2 else share < 0.4, f"rank {rank} ran {share:.2f} of the FLOPs"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, nproc", [("ddp", 2), ("fsdp", 2), ("fsdp", 3)])
+def test_every_option_split_over_ranks_gives_the_one_process_weights(one_process_all_options, tmp_path, layout,
+                                                                     nproc):
+    """Polar Express, NorMuon and cautious decay on: the split step still equals one process's.
+    NorMuon's v lives with each rank's rows under FSDP (3 ranks: 86/86/84 rows of the MLP's
+    matrices), and its norms over whole matrices are summed in one process's order on every
+    layout (trainer/muon.py's _column_sums), so this holds bit for bit (measured on CPU), which
+    is more than the float noise it must hold to."""
+    expected = one_process_all_options
+    assert len(expected["moments"]) == len(expected["weights"]) == 14
+    for rank, result in enumerate(_worker_results(tmp_path, layout, nproc, "all")):
+        assert_bitwise_equal(result["weights"], expected["weights"])
+        assert_bitwise_equal(result["moments"], expected["moments"])
+
+
 # ---------------------------------------------------------------------------- checkpoints
+def _killed_and_resumed(tmp_path, flags, nproc: int = 1) -> tuple[dict, dict]:
+    """The final checkpoints of a 6-step run of `flags` and of the same run killed at step 5
+    and resumed from its step-4 checkpoint, each as {"model", "optimizer"} (whole tensors; a
+    sharded checkpoint converted). Only the killed run is a process of its own in one process
+    (it SIGKILLs itself: forked from the preloaded trainer); the uninterrupted and the resumed
+    run are in-process, on one thread as the forked one. Several processes: all forked."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    base = [*TINY, "--optimizer", "muon", "--max_steps", "6", "--save_interval", "2", *flags]  # the later flag wins
+    mode = "inprocess" if nproc == 1 else "forked"
+    whole = run_trainer([*base, *out_args(tmp_path / "whole")], tmp_path, nproc=nproc, mode=mode)
+    assert_clean_exit(whole.returncode, whole.stdout, "the uninterrupted run")
+    killed = run_trainer([*base, *out_args(tmp_path / "killed")], tmp_path, nproc=nproc, mode="forked",
+                         env=fault_env("kill", at=5))
+    assert killed.returncode != 0
+    resumed = run_trainer([*base, *out_args(tmp_path / "killed"), "--from_resume", "1"], tmp_path, nproc=nproc,
+                          mode=mode)
+    assert_clean_exit(resumed.returncode, resumed.stdout, "the resumed run")
+    assert "resumed from" in resumed.stdout and "step 4/6" in resumed.stdout
+    sharded = "fsdp" in flags and nproc > 1
+    finals = []
+    for run in ("whole", "killed"):
+        suffix = ".dcp" if sharded else ".pth"
+        assert latest_checkpoint(tmp_path / run, suffix=suffix)["global_step"] == 6
+        if sharded:
+            dcp_to_torch_save(latest_link(tmp_path / run, sharded=True), tmp_path / f"{run}.pt")
+            finals.append(torch.load(tmp_path / f"{run}.pt", weights_only=True))
+        else:
+            finals.append(latest_checkpoint(tmp_path / run))
+    return finals[0], finals[1]
+
+
 @pytest.mark.slow
 def test_muon_resumes_bitwise_after_a_kill(tmp_path):
     """One process, Muon + AdamW: killed at step 5, resumed from the step-4 checkpoint,
-    the final weights and optimizer state of both optimizers equal an uninterrupted run's.
-    Only the killed run is a process of its own (it SIGKILLs itself: forked from the
-    preloaded trainer); the uninterrupted and the resumed run are in-process, on one thread
-    as the forked one."""
-    base = [*TINY, "--optimizer", "muon", "--max_steps", "6", "--save_interval", "2"]  # the later flag wins
-    whole = run_trainer([*base, *out_args(tmp_path / "whole")], tmp_path)
-    assert whole.returncode == 0, whole.stdout[-3000:]
-    killed = run_trainer([*base, *out_args(tmp_path / "killed")], tmp_path, nproc=1, mode="forked",
-                         env=fault_env("kill", at=5))
-    assert killed.returncode != 0
-    resumed = run_trainer([*base, *out_args(tmp_path / "killed"), "--from_resume", "1"], tmp_path)
-    assert resumed.returncode == 0, resumed.stdout[-3000:]
-    assert "resumed from" in resumed.stdout and "step 4/6" in resumed.stdout
-    a, b = latest_checkpoint(tmp_path / "whole"), latest_checkpoint(tmp_path / "killed")
-    assert a["global_step"] == b["global_step"] == 6
+    the final weights and optimizer state of both optimizers equal an uninterrupted run's."""
+    a, b = _killed_and_resumed(tmp_path, [])
     assert_bitwise_equal(a["model"], b["model"])
     states_a, states_b = a["optimizer"]["state"], b["optimizer"]["state"]
     assert any("momentum_buffer" in s for s in states_a.values())  # Muon's state is in there
