@@ -338,6 +338,26 @@ def test_muon_resumes_bitwise_after_a_kill(tmp_path):
     assert_same_state(states_a, states_b, "optimizer state")
 
 
+# Every flag of the Muon and schedule options, none at its default.
+EVERY_OPTION = ["--muon_ns", "polar_express", "--normuon", "1", "--cautious_wd", "both", "--muon_momentum_warmup", "6",
+                "--lr_schedule", "wsd", "--cooldown_frac", "0.5", "--min_lr_frac", "0.05", "--lr_ref_width", "32",
+                "--zero_init_outputs", "1"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel, nproc", [("ddp", 1), ("fsdp", 2)])
+def test_every_option_resumes_bitwise_after_a_kill(tmp_path, parallel, nproc):
+    """With every option on, in one process and under 2-process FSDP (NorMuon's v a DTensor of
+    rows, in the sharded checkpoint): the killed and resumed run ends as the uninterrupted one,
+    weights and optimizer state, bit for bit. The momentum warmup and the schedule are
+    functions of the step: nothing of them is in the checkpoint, and the resume still agrees."""
+    a, b = _killed_and_resumed(tmp_path, [*EVERY_OPTION, "--parallel", parallel], nproc)
+    assert_bitwise_equal(a["model"], b["model"])
+    states = a["optimizer"]["state"]
+    assert sum("row_second_moment" in s for s in states.values()) == 14  # NorMuon's v of the 14 block matrices
+    assert_same_state(states, b["optimizer"]["state"], "optimizer state")
+
+
 def test_a_checkpoint_written_with_torch_optim_muon_resumes(tmp_path):
     """Runs of earlier versions trained with torch.optim.Muon: their momentum buffers load into
     ours, each onto the parameter of the same name, and the trainer resumes from the checkpoint."""
