@@ -124,17 +124,20 @@ def test_a_step_in_bf16_is_torch_optim_muons_step():
     assert ours_opt.state[ours[0]].keys() == theirs_opt.state[theirs[0]].keys() == {"momentum_buffer"}
 
 
-def test_the_compiled_iteration_does_not_recompile_as_the_lr_moves(monkeypatch):
-    """compile_ns (on for CUDA runs) compiles the batched iteration alone, which never sees the lr.
-    Compiled here with dynamo's eager backend: the same graphs and guards, without code generation."""
+@pytest.mark.parametrize("method", NS_METHODS)
+def test_the_compiled_iteration_does_not_recompile_as_the_lr_moves(monkeypatch, method):
+    """compile_ns (on for CUDA runs) compiles the batched iteration alone, which never sees the lr,
+    with either method's coefficients. Compiled here with dynamo's eager backend: the same graphs
+    and guards, without code generation."""
     import torch._dynamo
 
     real_compile, calls = torch.compile, []
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: calls.append(kw) or real_compile(fn, **kw, backend="eager"))
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # the frames counted so far in this process (the other method's)
     shapes = [(32, 64), (64, 32), (64, 64)]
     params = [torch.nn.Parameter(m) for m in matrices(*shapes)]
-    opt = Muon(params, lr=0.02, compile_ns=True)
+    opt = Muon(params, lr=0.02, compile_ns=True, ns_method=method)
     assert calls == [{"dynamic": False}]
     frames = torch._dynamo.utils.counters["frames"]
     for step in range(4):
