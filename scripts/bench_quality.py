@@ -4,6 +4,8 @@
     python scripts/bench_quality.py --steps 40 --eval_every 10 --hidden_size 64 --num_hidden_layers 2   # a smoke run
     python scripts/bench_quality.py --variants a_minimind,b_defaults --reuse 1 \
         --variant "muon_lr_0.04=--muon_lr 0.04" --variant "warmup_30=--warmup_steps 30"   # a sweep around (b)
+    python scripts/bench_quality.py --variants a_minimind,b_defaults --seeds 3 \
+        --variant "polar_express=--muon_ns polar_express"                 # each run with 3 seeds
 
 Trains on the demo corpus with the quick start's held-out split (every 25th document,
 scripts/split_corpus.py), one variant after another, one process with --threads
@@ -28,6 +30,13 @@ dataset/tasks/ where its items hold in this corpus, else one built from the corp
 held-out documents; trainer/downstream.py; chance is 0.25); writes the table, the raw rows (JSON) and a
 plot (val loss against seconds). On a shared machine seconds are noisy (s/step
 shows the load each variant met); steps are not.
+
+With --seeds N every variant trains N times, with the trainer's --seed 42, 43, ... (after the
+variant's own flags, so it wins over a --seed there), each run in OUT_DIR/NAME_seedS; each seed
+of a variant is measured against (a)'s run of the same seed (the same initial weights and sample
+order), and the table gives, per variant, the mean and the range (min-max) over the seeds of the
+time to (a)'s final loss, the final bits per byte, the bits per byte at (a)'s time and the task
+accuracy. --seeds 1 (the default) is one run per variant, with the trainer's default seed.
 """
 import json
 import os
@@ -46,6 +55,7 @@ from dataset.demo_corpus import DEMO_CORPUS  # noqa: E402
 from dataset.lm_dataset import load_tokenizer  # noqa: E402
 from model.weights import load_model  # noqa: E402
 from scripts.build_eval_task import main as build_task, task_misfit  # noqa: E402
+from trainer.args import build_parser as trainer_parser  # noqa: E402
 from trainer.cli import OneLineArgumentParser  # noqa: E402
 from trainer.downstream import encode_task, evaluate_task, load_task  # noqa: E402
 from trainer.run_files import run_prefix  # noqa: E402
@@ -89,7 +99,12 @@ def parse_args(argv=None):
     p.add_argument("--plot", default=None, help="PNG path (default: OUT_DIR/val_loss_vs_time.png)")
     p.add_argument("--reuse", type=int, default=0, choices=[0, 1],
                    help="1: report a variant's run already in OUT_DIR (finished or stopped early) instead of training it")
+    p.add_argument("--seeds", type=int, default=1,
+                   help="train every variant with N seeds (the trainer's --seed 42, 43, ...) and report each "
+                        "figure's mean and min-max over them (1: one run, the trainer's default seed)")
     args = p.parse_args(argv)
+    if args.seeds < 1:
+        p.error(f"--seeds must be at least 1, got {args.seeds}")
     unknown = set(args.variants.split(",")) - set(VARIANTS)
     if unknown:
         p.error(f"--variants: unknown {sorted(unknown)}; choose from {','.join(VARIANTS)}")
@@ -109,6 +124,19 @@ def variant_table(args) -> dict:
         name, _, flags = extra.partition("=")
         table[name] = ("bin", [*VARIANTS["b_defaults"][1], *shlex.split(flags)])
     return table
+
+
+def run_seeds(args) -> list[int]:
+    """The trainer --seed of each run of a variant: its default, and the next ones for --seeds N."""
+    first = trainer_parser().get_default("seed")
+    return list(range(first, first + args.seeds))
+
+
+def seed_run(name: str, flags: list, seed: int, args) -> tuple[str, list]:
+    """(run name, trainer flags) of variant `name`'s run with `seed`: as ever for --seeds 1."""
+    if args.seeds == 1:
+        return name, flags
+    return f"{name}_seed{seed}", [*flags, "--seed", str(seed)]
 
 
 def prepare_data(corpus: Path, data: Path) -> Path:
@@ -230,17 +258,57 @@ def report(curves: dict, args, accuracy: dict | None = None) -> list[str]:
     return lines
 
 
-def plot(curves: dict, path: Path, title: str):
+def report_seeds(runs: dict, args, accuracy: dict | None = None) -> list[str]:
+    """The table of --seeds N. runs: {variant: {seed: val curve}}; accuracy: {variant: {seed:
+    DownstreamResult or None}}. Each seed of a variant is measured against (a)'s run of that seed."""
+    ref = runs["a_minimind"]
+    seeds = list(ref)
+    lines = [f"bench_quality: hidden {args.hidden_size} x {args.num_hidden_layers} layers, seq {args.max_seq_len}, "
+             f"batch {args.batch_size}, {args.steps} steps per run, {args.threads} threads, val every "
+             f"{args.eval_every} steps on the held-out val.bin; {len(seeds)} seeds per variant (--seed "
+             f"{seeds[0]}-{seeds[-1]}), each against (a)'s run of the same seed; every cell is the mean "
+             f"(min-max) over the seeds, and 'k of N' says only k seeds got there", "",
+             "| variant | time to (a)'s final loss, s | final bits/byte | bits/byte at (a)'s time "
+             "| task acc (chance 0.25) |", "|---|---|---|---|---|"]
+    for name, by_seed in runs.items():
+        reach, final, at_ref, acc = [], [], [], []
+        for seed, val in by_seed.items():
+            target, t_ref = ref[seed][-1]["val_loss"], ref[seed][-1]["train_s"]
+            reach.append(first_reach(val, target, "train_s"))
+            final.append(val[-1]["val_bpb"])
+            at_ref.append(at_time(val, t_ref, "val_bpb"))
+            result = (accuracy or {}).get(name, {}).get(seed)
+            acc.append(result.acc if result else None)
+        lines.append(f"| {name} | {spread(reach, '.0f')} | {spread(final, '.4f')} | {spread(at_ref, '.4f')} | "
+                     f"{spread(acc, '.3f')} |")
+    return lines
+
+
+def spread(values: list, spec: str) -> str:
+    """'mean (min-max)' of the values there are (None: a seed that never got there), in format
+    `spec`, and how many there are when not all."""
+    have = [v for v in values if v is not None]
+    if not have:
+        return "-"
+    text = f"{sum(have) / len(have):{spec}} ({min(have):{spec}}-{max(have):{spec}})"
+    return text if len(have) == len(values) else f"{text}, {len(have)} of {len(values)}"
+
+
+def plot(runs: dict, path: Path, title: str):
+    """runs: {variant: [val curve of each seed]}, one colour per variant."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for name, val in curves.items():
-        ax.plot([r["train_s"] for r in val], [r["val_loss"] for r in val], marker="o", ms=3, label=name)
-    ref = curves["a_minimind"][-1]["val_loss"]
-    ax.axhline(ref, color="gray", lw=0.8, ls="--", label="(a)'s final val loss")
+    for i, (name, vals) in enumerate(runs.items()):
+        for j, val in enumerate(vals):
+            ax.plot([r["train_s"] for r in val], [r["val_loss"] for r in val], marker="o", ms=3, color=f"C{i}",
+                    label=name if j == 0 else None)
+    finals = [val[-1]["val_loss"] for val in runs["a_minimind"]]
+    label = "(a)'s final val loss" + (" (mean over seeds)" if len(finals) > 1 else "")
+    ax.axhline(sum(finals) / len(finals), color="gray", lw=0.8, ls="--", label=label)
     ax.set(xlabel="training seconds (validation excluded)", ylabel="validation loss (held-out val.bin)", title=title)
     ax.grid(alpha=0.3)
     ax.legend()
@@ -253,19 +321,33 @@ def main(argv=None):
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     data = prepare_data(Path(args.corpus), out / "data")
-    curves = {name: train(name, kind, flags, args, data, out) for name, (kind, flags) in variant_table(args).items()}
+    runs, names = {}, {}  # {variant: {seed: val curve}}, {variant: {seed: its run's name}}
+    for name, (kind, flags) in variant_table(args).items():
+        runs[name], names[name] = {}, {}
+        for seed in run_seeds(args):
+            names[name][seed], run_flags = seed_run(name, flags, seed, args)
+            runs[name][seed] = train(names[name][seed], kind, run_flags, args, data, out)
     torch.set_num_threads(args.threads)
     items = encode_task(load_tokenizer(REPO_ROOT / "model"), load_task(task_file(args, data)))
-    accuracy = {name: final_accuracy(out / name, args, items) for name in curves}
-    lines = report(curves, args, accuracy)
+    accuracy = {name: {seed: final_accuracy(out / run, args, items) for seed, run in by_seed.items()}
+                for name, by_seed in names.items()}
+    if args.seeds == 1:  # the single-seed table and files, as they were
+        curves = {name: next(iter(by_seed.values())) for name, by_seed in runs.items()}
+        accuracy = {name: next(iter(by_seed.values())) for name, by_seed in accuracy.items()}
+        lines = report(curves, args, accuracy)
+        raw = curves, {name: acc and vars(acc) for name, acc in accuracy.items()}
+    else:
+        lines = report_seeds(runs, args, accuracy)
+        raw = runs, {name: {seed: acc and vars(acc) for seed, acc in by_seed.items()}
+                     for name, by_seed in accuracy.items()}
     print("\n".join(lines))
     (out / "results.md").write_text("\n".join(lines) + "\n")
-    (out / "results.json").write_text(json.dumps(curves, indent=1))
-    (out / "accuracy.json").write_text(json.dumps({name: acc and vars(acc) for name, acc in accuracy.items()},
-                                                  indent=1))
+    (out / "results.json").write_text(json.dumps(raw[0], indent=1))
+    (out / "accuracy.json").write_text(json.dumps(raw[1], indent=1))
     png = Path(args.plot) if args.plot else out / "val_loss_vs_time.png"
     png.parent.mkdir(parents=True, exist_ok=True)
-    plot(curves, png, f"demo corpus, hidden {args.hidden_size} x {args.num_hidden_layers}, {args.threads} CPU threads")
+    plot({name: list(by_seed.values()) for name, by_seed in runs.items()}, png,
+         f"demo corpus, hidden {args.hidden_size} x {args.num_hidden_layers}, {args.threads} CPU threads")
     print(f"plot: {png}")
 
 

@@ -3,10 +3,11 @@ gradients, in one process or split over the ranks of a process group: DDP replic
 rank orthogonalises its share) or FSDP2 shards (each matrix's owner works on the whole
 matrix). Saves the final full weights and the Newton-Schulz matmul FLOPs this rank ran.
 
-    python tests/muon_worker.py OUT_PREFIX none|ddp|fsdp      (the tests fork its ranks)
+    python tests/muon_worker.py OUT_PREFIX none|ddp|fsdp [OPTIONS]      (the tests fork its ranks)
 
-Every rank gives each parameter the same full gradient (FSDP: its shard of it), so the
-three layouts must end with the same weights.
+OPTIONS: "all" turns on every option of Muon's update (Polar Express, NorMuon, cautious weight
+decay); without it, torch.optim.Muon's update. Every rank gives each parameter the same full
+gradient (FSDP: its shard of it), so the three layouts must end with the same weights.
 """
 import sys
 from pathlib import Path
@@ -30,7 +31,11 @@ def gradient(step: int, index: int, shape) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(1000 * step + index)) * 1e-2
 
 
-def main(out_prefix: str, layout: str):
+# Every option of Muon's update on, for the tests of their split across ranks.
+ALL_OPTIONS = dict(ns_method="polar_express", normuon=True, cautious_wd=True)
+
+
+def main(out_prefix: str, layout: str, options: str = ""):
     env = init_distributed_mode("cpu")
     torch.manual_seed(0)
     # hidden 64: stacks of 4 (q/o, k/v) and 6 (gate/up/down). Over 3 ranks the stacks of 4 split
@@ -40,7 +45,8 @@ def main(out_prefix: str, layout: str):
     wrap_model(model, env, "fsdp" if layout == "fsdp" else "ddp")
     matrices = [(n, p) for n, p in model.named_parameters() if is_block_matrix(n, p)]
     optimizer = Muon([p for _, p in matrices], lr=0.02, weight_decay=0.01,
-                     process_group=replica_group(env, "ddp") if layout == "ddp" else None)
+                     process_group=replica_group(env, "ddp") if layout == "ddp" else None,
+                     **(ALL_OPTIONS if options == "all" else {}))
     flops = 0
     for step in range(STEPS):
         for index, (_, p) in enumerate(matrices):
@@ -49,12 +55,15 @@ def main(out_prefix: str, layout: str):
         with FlopCounterMode(display=False) as counter:
             optimizer.step()
         flops += counter.get_total_flops()
-    weights = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in matrices}
-    torch.save({"weights": weights, "flops": flops, "world_size": env.world_size},
+    whole = lambda t: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()  # noqa: E731
+    weights = {n: whole(p) for n, p in matrices}
+    moments = {n: whole(optimizer.state[p]["row_second_moment"]) for n, p in matrices
+               if "row_second_moment" in optimizer.state[p]}
+    torch.save({"weights": weights, "moments": moments, "flops": flops, "world_size": env.world_size},
                f"{out_prefix}_rank{env.rank}.pt")
     del model, optimizer
     cleanup_distributed()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

@@ -5,7 +5,9 @@ import shlex
 
 import pytest
 
-from scripts.bench_quality import VARIANTS, at_time, first_reach, parse_args, report, variant_table
+from scripts.bench_quality import (
+    VARIANTS, at_time, first_reach, parse_args, report, report_seeds, run_seeds, seed_run, variant_table,
+)
 from scripts.launching import REPO_ROOT
 from trainer.args import parse_args as trainer_args
 from trainer.downstream import DownstreamResult
@@ -70,6 +72,40 @@ def test_the_table_has_each_variants_final_task_accuracy():
     assert row_a.startswith("| a_minimind |") and row_a.endswith("| 0.435 ± 0.025 |")
     assert row_b.startswith("| b_defaults |") and row_b.endswith("| - |")  # no final weights to score
     assert row_a.count("|") == header.count("|")
+
+
+def test_seeds_are_the_trainers_default_and_the_next_ones_and_win_over_a_variants():
+    one, three = parse_args([]), parse_args(["--seeds", "3"])
+    assert run_seeds(one) == [42] and run_seeds(three) == [42, 43, 44]
+    assert seed_run("plain", ["--seed", "3"], 42, one) == ("plain", ["--seed", "3"])  # --seeds 1: as ever
+    assert seed_run("plain", ["--seed", "3"], 43, three) == ("plain_seed43", ["--seed", "3", "--seed", "43"])
+    with pytest.raises(SystemExit):
+        parse_args(["--seeds", "0"])
+
+
+def test_the_seeds_table_has_each_figures_mean_and_range_against_a_of_the_same_seed():
+    """Seed 42: (a) ends at loss 5.0 after 10 s (CURVE); b reaches 5.0 half-way between its
+    validations at 4 s and 12 s (8 s), its bits/byte at 10 s is 1.9 - 0.4 * 6 / 8 = 1.6, and it
+    ends at 1.5. Seed 43: (a) ends at 5.2 after 12 s, which b never reaches; b's bits/byte is
+    1.85 at 12 s and at the end. Means: 1.675 final, 1.725 at (a)'s time; (a) reaches its own
+    final loss at its end, 10 and 12 s."""
+    args = parse_args(["--variants", "a_minimind,b_defaults", "--seeds", "2"])
+    a_43 = [{"step": 10, "train_s": 6.0, "val_loss": 6.0, "val_bpb": 2.0},
+            {"step": 20, "train_s": 12.0, "val_loss": 5.2, "val_bpb": 1.9}]
+    b_42 = [{"step": 10, "train_s": 4.0, "val_loss": 5.5, "val_bpb": 1.9},
+            {"step": 20, "train_s": 12.0, "val_loss": 4.5, "val_bpb": 1.5}]
+    b_43 = [{"step": 10, "train_s": 6.0, "val_loss": 5.6, "val_bpb": 1.95},
+            {"step": 20, "train_s": 12.0, "val_loss": 5.4, "val_bpb": 1.85}]
+    runs = {"a_minimind": {42: CURVE, 43: a_43}, "b_defaults": {42: b_42, 43: b_43}}
+    accuracy = {"a_minimind": {42: None, 43: None},
+                "b_defaults": {42: DownstreamResult.from_counts([400, 174, 170]),    # 0.435
+                               43: DownstreamResult.from_counts([400, 150, 150])}}  # 0.375
+    header, rule, row_a, row_b = report_seeds(runs, args, accuracy)[2:6]
+    assert header == ("| variant | time to (a)'s final loss, s | final bits/byte | bits/byte at (a)'s time "
+                      "| task acc (chance 0.25) |") and rule.count("|") == header.count("|")
+    assert row_a == "| a_minimind | 11 (10-12) | 1.8500 (1.8000-1.9000) | 1.8500 (1.8000-1.9000) | - |"
+    assert row_b == ("| b_defaults | 8 (8-8), 1 of 2 | 1.6750 (1.5000-1.8500) | 1.7250 (1.6000-1.8500) "
+                     "| 0.405 (0.375-0.435) |")
 
 
 def test_the_committed_task_is_scored_only_where_it_holds_in_the_corpus(tmp_path, monkeypatch, capsys):

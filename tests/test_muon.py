@@ -1,6 +1,8 @@
 """trainer/muon.py: torch.optim.Muon's update, batched by shape, split across ranks (DDP
 and FSDP2), in the run's precision, compiled without recompiles, and resumable bitwise
-(also from a checkpoint torch.optim.Muon wrote)."""
+(also from a checkpoint torch.optim.Muon wrote); with its options on (Polar Express, NorMuon,
+cautious weight decay) split and resumed likewise. What each option computes is
+tests/test_muon_options.py's."""
 import pytest
 import torch
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_newton_schulz
@@ -9,10 +11,11 @@ from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.assertions import assert_bitwise_equal, assert_clean_exit, assert_same_state
 from scripts.launching import REPO_ROOT
 from tests.jobs import run_trainer
-from tests.run_outputs import latest_checkpoint, out_args
+from tests.run_outputs import latest_checkpoint, latest_link, out_args
 from tests.tiny import TINY
 from tests.fault_injection import fault_env
-from trainer.muon import NS_COEFFICIENTS, Muon, newton_schulz, shard_rows, stacks_of
+from trainer.muon import Muon, shard_rows, stacks_of
+from trainer.newton_schulz import NS_COEFFICIENTS, NS_METHODS, newton_schulz
 from trainer.optim import is_block_matrix
 
 
@@ -60,18 +63,20 @@ def test_newton_schulz_orthogonalises():
     assert singular.min() > 0.5 and singular.max() < 1.5
 
 
-def test_the_newton_schulz_flop_formula_is_what_torch_counts():
-    """newton_schulz_flops, which --optimizer auto weighs against the step, against FlopCounterMode."""
+@pytest.mark.parametrize("method", NS_METHODS)
+def test_the_newton_schulz_flop_formula_is_what_torch_counts(method):
+    """newton_schulz_flops, which --optimizer auto weighs against the step, against FlopCounterMode,
+    for either method (both run 5 iterations of the same matmuls)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from trainer.muon import newton_schulz_flops
+    from trainer.newton_schulz import newton_schulz_flops
 
     shapes = [(64, 64), (32, 64), (256, 64), (64, 256), (96, 40)]
     params = [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
     for p in params:
         p.grad = torch.randn(p.shape)
     with FlopCounterMode(display=False) as counted:
-        Muon(params).step()
+        Muon(params, ns_method=method).step()
     assert newton_schulz_flops(shapes) == counted.get_total_flops()
 
 
@@ -119,17 +124,20 @@ def test_a_step_in_bf16_is_torch_optim_muons_step():
     assert ours_opt.state[ours[0]].keys() == theirs_opt.state[theirs[0]].keys() == {"momentum_buffer"}
 
 
-def test_the_compiled_iteration_does_not_recompile_as_the_lr_moves(monkeypatch):
-    """compile_ns (on for CUDA runs) compiles the batched iteration alone, which never sees the lr.
-    Compiled here with dynamo's eager backend: the same graphs and guards, without code generation."""
+@pytest.mark.parametrize("method", NS_METHODS)
+def test_the_compiled_iteration_does_not_recompile_as_the_lr_moves(monkeypatch, method):
+    """compile_ns (on for CUDA runs) compiles the batched iteration alone, which never sees the lr,
+    with either method's coefficients. Compiled here with dynamo's eager backend: the same graphs
+    and guards, without code generation."""
     import torch._dynamo
 
     real_compile, calls = torch.compile, []
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: calls.append(kw) or real_compile(fn, **kw, backend="eager"))
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # the frames counted so far in this process (the other method's)
     shapes = [(32, 64), (64, 32), (64, 64)]
     params = [torch.nn.Parameter(m) for m in matrices(*shapes)]
-    opt = Muon(params, lr=0.02, compile_ns=True)
+    opt = Muon(params, lr=0.02, compile_ns=True, ns_method=method)
     assert calls == [{"dynamic": False}]
     frames = torch._dynamo.utils.counters["frames"]
     for step in range(4):
@@ -148,11 +156,12 @@ def test_the_compiled_iteration_does_not_recompile_as_the_lr_moves(monkeypatch):
 WORKER = REPO_ROOT / "tests" / "muon_worker.py"
 
 
-def _worker_results(tmp_path, layout, nproc) -> list[dict]:
-    """Each rank's saved weights and Newton-Schulz FLOPs after the worker's three steps."""
+def _worker_results(tmp_path, layout, nproc, options="") -> list[dict]:
+    """Each rank's saved weights (and NorMuon moments) and Newton-Schulz FLOPs after the
+    worker's three steps; options "all": every option of the update on."""
     prefix = tmp_path / layout
-    result = run_trainer([prefix, layout], tmp_path, nproc=nproc, mode="inprocess" if nproc == 1 else "forked",
-                         timeout=300, script=WORKER)
+    result = run_trainer([prefix, layout, options], tmp_path, nproc=nproc,
+                         mode="inprocess" if nproc == 1 else "forked", timeout=300, script=WORKER)
     assert_clean_exit(result.returncode, result.stdout, f"{nproc}-process {layout} Muon")
     return [torch.load(f"{prefix}_rank{r}.pt", weights_only=True) for r in range(nproc)]
 
@@ -160,6 +169,11 @@ def _worker_results(tmp_path, layout, nproc) -> list[dict]:
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     return _worker_results(tmp_path_factory.mktemp("muon_one"), "none", 1)[0]
+
+
+@pytest.fixture(scope="module")
+def one_process_all_options(tmp_path_factory):
+    return _worker_results(tmp_path_factory.mktemp("muon_one_all"), "none", 1, "all")[0]
 
 
 def newton_schulz_share(shapes, layout: str, nproc: int, rank: int) -> float:
@@ -191,30 +205,85 @@ def test_split_over_ranks_gives_the_one_process_weights_bitwise(one_process, tmp
         assert share <= 0.55 if nproc == 2 else share < 0.4, f"rank {rank} ran {share:.2f} of the FLOPs"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, nproc", [("ddp", 2), ("fsdp", 2), ("fsdp", 3)])
+def test_every_option_split_over_ranks_gives_the_one_process_weights(one_process_all_options, tmp_path, layout,
+                                                                     nproc):
+    """Polar Express, NorMuon and cautious decay on: the split step still equals one process's.
+    NorMuon's v lives with each rank's rows under FSDP (3 ranks: 86/86/84 rows of the MLP's
+    matrices), and its norms over whole matrices are summed in one process's order on every
+    layout (trainer/muon.py's _column_sums), so this holds bit for bit (measured on CPU), which
+    is more than the float noise it must hold to."""
+    expected = one_process_all_options
+    assert len(expected["moments"]) == len(expected["weights"]) == 14
+    for rank, result in enumerate(_worker_results(tmp_path, layout, nproc, "all")):
+        assert_bitwise_equal(result["weights"], expected["weights"])
+        assert_bitwise_equal(result["moments"], expected["moments"])
+
+
 # ---------------------------------------------------------------------------- checkpoints
+def _killed_and_resumed(tmp_path, flags, nproc: int = 1) -> tuple[dict, dict]:
+    """The final checkpoints of a 6-step run of `flags` and of the same run killed at step 5
+    and resumed from its step-4 checkpoint, each as {"model", "optimizer"} (whole tensors; a
+    sharded checkpoint converted). Only the killed run is a process of its own in one process
+    (it SIGKILLs itself: forked from the preloaded trainer); the uninterrupted and the resumed
+    run are in-process, on one thread as the forked one. Several processes: all forked."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    base = [*TINY, "--optimizer", "muon", "--max_steps", "6", "--save_interval", "2", *flags]  # the later flag wins
+    mode = "inprocess" if nproc == 1 else "forked"
+    whole = run_trainer([*base, *out_args(tmp_path / "whole")], tmp_path, nproc=nproc, mode=mode)
+    assert_clean_exit(whole.returncode, whole.stdout, "the uninterrupted run")
+    killed = run_trainer([*base, *out_args(tmp_path / "killed")], tmp_path, nproc=nproc, mode="forked",
+                         env=fault_env("kill", at=5))
+    assert killed.returncode != 0
+    resumed = run_trainer([*base, *out_args(tmp_path / "killed"), "--from_resume", "1"], tmp_path, nproc=nproc,
+                          mode=mode)
+    assert_clean_exit(resumed.returncode, resumed.stdout, "the resumed run")
+    assert "resumed from" in resumed.stdout and "step 4/6" in resumed.stdout
+    sharded = "fsdp" in flags and nproc > 1
+    finals = []
+    for run in ("whole", "killed"):
+        suffix = ".dcp" if sharded else ".pth"
+        assert latest_checkpoint(tmp_path / run, suffix=suffix)["global_step"] == 6
+        if sharded:
+            dcp_to_torch_save(latest_link(tmp_path / run, sharded=True), tmp_path / f"{run}.pt")
+            finals.append(torch.load(tmp_path / f"{run}.pt", weights_only=True))
+        else:
+            finals.append(latest_checkpoint(tmp_path / run))
+    return finals[0], finals[1]
+
+
 @pytest.mark.slow
 def test_muon_resumes_bitwise_after_a_kill(tmp_path):
     """One process, Muon + AdamW: killed at step 5, resumed from the step-4 checkpoint,
-    the final weights and optimizer state of both optimizers equal an uninterrupted run's.
-    Only the killed run is a process of its own (it SIGKILLs itself: forked from the
-    preloaded trainer); the uninterrupted and the resumed run are in-process, on one thread
-    as the forked one."""
-    base = [*TINY, "--optimizer", "muon", "--max_steps", "6", "--save_interval", "2"]  # the later flag wins
-    whole = run_trainer([*base, *out_args(tmp_path / "whole")], tmp_path)
-    assert whole.returncode == 0, whole.stdout[-3000:]
-    killed = run_trainer([*base, *out_args(tmp_path / "killed")], tmp_path, nproc=1, mode="forked",
-                         env=fault_env("kill", at=5))
-    assert killed.returncode != 0
-    resumed = run_trainer([*base, *out_args(tmp_path / "killed"), "--from_resume", "1"], tmp_path)
-    assert resumed.returncode == 0, resumed.stdout[-3000:]
-    assert "resumed from" in resumed.stdout and "step 4/6" in resumed.stdout
-    a, b = latest_checkpoint(tmp_path / "whole"), latest_checkpoint(tmp_path / "killed")
-    assert a["global_step"] == b["global_step"] == 6
+    the final weights and optimizer state of both optimizers equal an uninterrupted run's."""
+    a, b = _killed_and_resumed(tmp_path, [])
     assert_bitwise_equal(a["model"], b["model"])
     states_a, states_b = a["optimizer"]["state"], b["optimizer"]["state"]
     assert any("momentum_buffer" in s for s in states_a.values())  # Muon's state is in there
     assert any("exp_avg" in s for s in states_a.values())          # and AdamW's
     assert_same_state(states_a, states_b, "optimizer state")
+
+
+# Every flag of the Muon and schedule options, none at its default.
+EVERY_OPTION = ["--muon_ns", "polar_express", "--normuon", "1", "--cautious_wd", "both", "--muon_momentum_warmup", "6",
+                "--lr_schedule", "wsd", "--cooldown_frac", "0.5", "--min_lr_frac", "0.05", "--lr_ref_width", "32",
+                "--zero_init_outputs", "1"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel, nproc", [("ddp", 1), ("fsdp", 2)])
+def test_every_option_resumes_bitwise_after_a_kill(tmp_path, parallel, nproc):
+    """With every option on, in one process and under 2-process FSDP (NorMuon's v a DTensor of
+    rows, in the sharded checkpoint): the killed and resumed run ends as the uninterrupted one,
+    weights and optimizer state, bit for bit. The momentum warmup and the schedule are
+    functions of the step: nothing of them is in the checkpoint, and the resume still agrees."""
+    a, b = _killed_and_resumed(tmp_path, [*EVERY_OPTION, "--parallel", parallel], nproc)
+    assert_bitwise_equal(a["model"], b["model"])
+    states = a["optimizer"]["state"]
+    assert sum("row_second_moment" in s for s in states.values()) == 14  # NorMuon's v of the 14 block matrices
+    assert_same_state(states, b["optimizer"]["state"], "optimizer state")
 
 
 def test_a_checkpoint_written_with_torch_optim_muon_resumes(tmp_path):

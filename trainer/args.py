@@ -60,7 +60,15 @@ def _optimisation_flags(p):
                      help="samples per optimizer step over all processes; derives --accumulation_steps (0: off)")
     opt.add_argument("--learning_rate", type=float, default=3e-3, help="AdamW's peak lr (MiniMind: 5e-4)")
     opt.add_argument("--warmup_steps", type=int, default=10,
-                     help="linear warmup, then cosine decay to 10%% of each group's peak (MiniMind: 0)")
+                     help="linear warmup to each group's peak, then --lr_schedule (MiniMind: 0)")
+    opt.add_argument("--lr_schedule", default="cosine", choices=["cosine", "wsd"],
+                     help="after the warmup: cosine decay to the floor at the last step (MiniMind's); wsd: "
+                          "warmup-stable-decay, the peak until the last --cooldown_frac of the run, then linear "
+                          "to the floor")
+    opt.add_argument("--cooldown_frac", type=float, default=0.2,
+                     help="wsd: the share of the run its linear cooldown to the floor takes")
+    opt.add_argument("--min_lr_frac", type=float, default=0.1,
+                     help="the floor of either schedule, a share of each group's peak lr")
     opt.add_argument("--optimizer", default="auto", choices=["auto", "adamw", "muon"],
                      help="muon: Muon (trainer/muon.py) on the blocks' 2-D weights, AdamW on the embedding (= tied "
                           "head) and norms; adamw: AdamW on everything; auto: muon where its Newton-Schulz runs in a "
@@ -68,6 +76,24 @@ def _optimisation_flags(p):
                           "(docs/performance.md), else adamw; said in one line at start-up")
     opt.add_argument("--muon_lr", type=float, default=0.02, help="Muon's peak lr (its schedule has the same shape)")
     opt.add_argument("--muon_momentum", type=float, default=0.95, help="Muon's momentum (Nesterov)")
+    opt.add_argument("--muon_momentum_warmup", type=int, default=0,
+                     help="raise Muon's momentum linearly from 0.85 to --muon_momentum over the first N steps "
+                          "(0: off)")
+    opt.add_argument("--muon_ns", default="quintic", choices=["quintic", "polar_express"],
+                     help="Muon's Newton-Schulz coefficients: quintic (Keller Jordan's, one tuple five times) or "
+                          "polar_express (Amsel et al., 2025: one tuple per iteration, closer to orthogonal; "
+                          "trainer/newton_schulz.py)")
+    opt.add_argument("--normuon", type=int, default=0, choices=[0, 1],
+                     help="1: NorMuon, each row of Muon's update divided by the root of its running mean square, "
+                          "then rescaled to the update's norm (trainer/muon.py)")
+    opt.add_argument("--normuon_beta2", type=float, default=0.95,
+                     help="NorMuon: the decay of each row's running mean square")
+    opt.add_argument("--cautious_wd", default="none", choices=["none", "muon", "adamw", "both"],
+                     help="cautious weight decay in these optimizers: decay only where the update and the weight "
+                          "agree in sign (trainer/weight_decay.py; AdamW then runs unfused: trainer/adamw.py)")
+    opt.add_argument("--lr_ref_width", type=int, default=0,
+                     help="scale the AdamW groups' peak lrs by (hidden_size / W) ** -0.5, as nanochat does at W "
+                          "768 (the defaults were tuned at 256; 0: off)")
     opt.add_argument("--param_groups", default="split", choices=["split", "single"],
                      help="split: no weight decay on norms and other 1-D params; single: MiniMind's one AdamW group")
     opt.add_argument("--grad_clip", type=float, default=1.0, help="clip the global gradient norm (0 or less: off)")
@@ -89,6 +115,9 @@ def _model_flags(p):
                      help="initial weights: a name, as MiniMind's (pretrain: {save_dir}/pretrain_{hidden}[_moe].pth), "
                           "a .pth, .safetensors or resume checkpoint, or none (from scratch)")
     mdl.add_argument("--from_resume", type=int, default=0, choices=[0, 1], help="1: continue from the latest checkpoint")
+    mdl.add_argument("--zero_init_outputs", type=int, default=0, choices=[0, 1],
+                     help="1: a fresh model's block output projections (o_proj, down_proj) start at 0, so each block "
+                          "starts as the identity (not with --from_weight; the model and its files are unchanged)")
     mdl.add_argument("--tokenizer_path", default=str(REPO_ROOT / "model"), help="folder with tokenizer.json")
 
 
@@ -166,6 +195,7 @@ INT_MINIMUMS = {
     "max_seq_len": 2,  # room for BOS and EOS
     "save_interval": 1, "log_interval": 1, "keep_last": 1, "max_bad_steps": 1, "eval_batches": 1,
     "max_steps": 0, "global_batch_size": 0, "warmup_steps": 0, "eval_interval": 0, "num_workers": 0, "seed": 0,
+    "muon_momentum_warmup": 0, "lr_ref_width": 0,
 }
 # Float flags: (lowest allowed, whether the lowest itself is allowed, what the value means).
 FLOAT_RANGES = {
@@ -176,6 +206,12 @@ FLOAT_RANGES = {
     "save_every_minutes": (0.0, True, "minutes of training between saves, 0 for off"),
     "muon_lr": (0.0, False, "Muon's peak learning rate, e.g. 0.02"),
     "muon_momentum": (0.0, True, "Muon's momentum, e.g. 0.95"),
+}
+# Float flags that are shares: (whether 1 itself is allowed, what the value means).
+FRACTIONS = {
+    "normuon_beta2": (False, "NorMuon's decay of each row's mean square, e.g. 0.95"),
+    "cooldown_frac": (True, "the share of the run the wsd cooldown takes, e.g. 0.2"),
+    "min_lr_frac": (True, "the lr floor as a share of each peak, e.g. 0.1"),
 }
 
 
@@ -193,6 +229,10 @@ def check_args(args, device):
         if not (math.isfinite(value) and (value >= lowest if inclusive else value > lowest)):
             bound = f"{'at least' if inclusive else 'above'} {lowest:g}"
             raise UserError(f"--{flag} must be a finite number {bound} ({meaning}), got {value}")
+    for flag, (one_allowed, meaning) in FRACTIONS.items():
+        value = getattr(args, flag)
+        if not (0 <= value < 1 or (one_allowed and value == 1)):
+            raise UserError(f"--{flag} must be in [0, 1{']' if one_allowed else ')'} ({meaning}), got {value}")
     if math.isnan(args.grad_clip):
         raise UserError("--grad_clip must be a number (0 or less turns clipping off), got nan")
     if not 0 <= args.val_fraction < 1:

@@ -27,7 +27,7 @@ from trainer.distributed import all_reduce_sum, barrier, cleanup_distributed, ex
 from trainer.downstream import encode_task, evaluate_task_in_group, load_task
 from trainer.hooks import load_step_hooks
 from trainer.metrics import RunLogger, Throughput, TrainClock, device_peak_flops, flops_per_token
-from trainer.optim import OptimConfig, build_optimizer, describe, peak_lrs, set_lr
+from trainer.optim import OptimConfig, Schedule, build_optimizer, describe, set_lr
 from trainer.parallel import local_state_mib, replica_group, wrap_model
 from trainer.preemption import PreemptionFlag
 from trainer.preflight import check_output_dirs, check_worker_tmpdir
@@ -41,6 +41,7 @@ from trainer.train_state import TrainState, plan_steps
 from trainer.trainer_utils import (  # MiniMind's entry points
     Logger, init_distributed_mode, init_model, is_main_process, model_config_from_args, setup_seed,
 )
+from trainer.trainer_utils import zero_output_projections
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,7 @@ def train(args, env, stage: "Stage") -> int:
             epoch, micro_batches = next(steps)
             hooks.before_step(state.global_step)
             profiling.step_begins(state.global_step + 1)
-            lrs = set_lr(optimizer, parts.peak_lrs, state.global_step, total_steps, args.warmup_steps)
+            lrs = set_lr(optimizer, parts.schedule, state.global_step, total_steps)
             result = optimizer_step(step_context, micro_batches,
                                     Requests(stop=preempt.requested, save=saves.clock_asks()))
             if state.global_step == start_step:
@@ -208,7 +209,7 @@ class TrainParts:
     model: torch.nn.Module  # the MiniMindForCausalLM (sharded in place under FSDP)
     net: torch.nn.Module  # the module the loop calls: DDP, FSDP or torch.compile around the model
     optimizer: torch.optim.Optimizer
-    peak_lrs: dict  # each parameter group's peak learning rate
+    schedule: Schedule  # each parameter group's peak lr and its schedule, and Muon's momentum
     scaler: torch.amp.GradScaler
 
 
@@ -217,15 +218,16 @@ def build_parts(args, env, config, settings: RunSettings, from_weight: str | Non
     # broadcast from rank 0 as DDP does. Per-rank streams (dropout) are seeded after.
     setup_seed(args.seed)
     model = init_model(config, from_weight, env.device)
+    if args.zero_init_outputs and from_weight is None:  # a fresh model only (a resume loads over it anyway)
+        zero_output_projections(model)
     setup_seed(args.seed + env.rank)
     # FSDP shards `model` in place, so the optimizer comes after.
     net = wrap_model(model, env, args.parallel, settings.dtype, bool(args.use_compile), bool(args.grad_checkpointing))
-    optim_config = OptimConfig.from_args(args, settings, env.device)
+    optim_config = OptimConfig.from_args(args, settings, env.device, config.hidden_size)
     optimizer = build_optimizer(model, optim_config, replica_group(env, args.parallel))
-    lrs = peak_lrs(optim_config)
-    Logger(describe(optimizer, lrs))
+    Logger(describe(optimizer, optim_config))
     scaler = torch.amp.GradScaler(env.device.type, enabled=settings.dtype == "float16")
-    return TrainParts(model, net, optimizer, lrs, scaler)
+    return TrainParts(model, net, optimizer, Schedule.of(optim_config), scaler)
 
 
 def parallelism(args, env) -> str:

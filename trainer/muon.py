@@ -7,6 +7,17 @@ The update of each matrix W with gradient G is torch.optim.Muon's:
     O <- NewtonSchulz5(U / |U|)                    close to the nearest orthogonal matrix
     W <- W * (1 - lr * weight_decay) - lr * sqrt(max(1, rows / cols)) * O
 
+Three options change it, each off by default (the update is then exactly the above):
+  * ns_method "polar_express": Polar Express's five coefficient tuples in Newton-Schulz in
+    place of the one quintic (trainer/newton_schulz.py).
+  * normuon: NorMuon (Li et al., 2025). O's rows (output neurons) still differ in size;
+    each is divided by the root of its running mean square, v <- lerp(v, mean(O_row^2),
+    1 - beta2), kept per row in the state ("row_second_moment"), and the result is rescaled
+    to O's Frobenius norm: the step keeps Muon's size, its rows share it more evenly.
+  * cautious_wd: the decay only where O and W agree in sign (trainer/weight_decay.py).
+They are options of the optimizer, not keys of its param groups: the groups stay
+torch.optim.Muon's key for key, and a resumed run takes them from its flags, as its lrs.
+
 What this file adds is where and how O is computed:
   * Batched. Newton-Schulz runs on a matrix with rows <= cols (a tall one is taken
     transposed, and its result transposed back), so q and o, k and v, and gate, up and
@@ -18,7 +29,8 @@ What this file adds is where and how O is computed:
     weights stay bitwise identical on all ranks. Under FSDP2 a rank holds rows of every
     matrix; Newton-Schulz of a shard alone is not the shard of Newton-Schulz, so one
     all-to-all brings each owner the rows of its matrices, and a second sends every rank
-    its rows of each result.
+    its rows of each result. NorMuon then works on the rows each rank holds (its v is
+    sharded as W is); only its two Frobenius norms need every rank's rows (_column_sums).
   * In the run's precision: `ns_dtype` is bf16 where the run trains under bf16 autocast,
     fp32 where it trains in fp32 (torch.optim.Muon always uses bf16). fp32 keeps a run
     the same run at any world size to float noise, and is fast on CPUs without bf16.
@@ -26,7 +38,8 @@ What this file adds is where and how O is computed:
     rate, so nothing recompiles as the schedule moves.
 
 Its param groups and state ("momentum_buffer") are torch.optim.Muon's, key for key, so a
-checkpoint written with either optimizer resumes with this one.
+checkpoint written with either optimizer resumes with this one; NorMuon adds its v to the state,
+and starts it at zero where a checkpoint has none.
 """
 import math
 from dataclasses import dataclass
@@ -35,27 +48,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-# The quintic Newton-Schulz coefficients of Keller Jordan's Muon (torch.optim.Muon's defaults).
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
-NS_STEPS = 5
-EPS = 1e-7
+from trainer.newton_schulz import EPS, NS_COEFFICIENTS, NS_STEPS, iteration_plan, newton_schulz
+from trainer.parallel import local_part
+from trainer.weight_decay import decay_
 
-
-def newton_schulz(x: torch.Tensor, coefficients=NS_COEFFICIENTS, steps: int = NS_STEPS, eps: float = EPS):
-    """Orthogonalise each matrix of a (k, m, n) stack with m <= n: scaled to Frobenius norm 1,
-    then `steps` quintic iterations X <- aX + (bA + cA^2)X with A = XX^T."""
-    a, b, c = coefficients
-    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
-    for _ in range(steps):
-        gram = x @ x.mT
-        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x
-
-
-def newton_schulz_flops(shapes, steps: int = NS_STEPS) -> int:
-    """Matmul FLOPs of one orthogonalisation of matrices of these shapes, as newton_schulz runs
-    them (wide, m <= n): per step X X^T (2m^2n), A A (2m^3) and B X (2m^2n)."""
-    return sum(steps * (4 * min(s) ** 2 * max(s) + 2 * min(s) ** 3) for s in shapes)
+# Added to NorMuon's v, a mean square of O's entries (about 1 / max(rows, cols)): it only keeps
+# the root of an all-zero row's v finite.
+NORMUON_EPS = 1e-10
 
 
 def adjusted_lr(lr: float, shape) -> float:
@@ -103,13 +102,15 @@ class Muon(torch.optim.Optimizer):
 
     process_group: the ranks whose gradients DDP has averaged, which then share the
     Newton-Schulz work (None: this process does all of it). FSDP2 parameters (DTensors)
-    bring their own group, their mesh's.
+    bring their own group, their mesh's. ns_method, normuon, normuon_beta2, cautious_wd:
+    the options of the module docstring.
     """
 
     def __init__(self, params, lr: float = 0.02, weight_decay: float = 0.0, momentum: float = 0.95,
                  nesterov: bool = True, ns_coefficients=NS_COEFFICIENTS, eps: float = EPS, ns_steps: int = NS_STEPS,
                  adjust_lr_fn=None, *, ns_dtype: torch.dtype = torch.float32, process_group=None,
-                 compile_ns: bool = False):
+                 compile_ns: bool = False, ns_method: str = "quintic", normuon: bool = False,
+                 normuon_beta2: float = 0.95, cautious_wd: bool = False):
         if adjust_lr_fn not in (None, "original"):
             raise ValueError(f"adjust_lr_fn {adjust_lr_fn!r}: only torch.optim.Muon's default (None) is implemented")
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
@@ -119,8 +120,11 @@ class Muon(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.ndim != 2:
                     raise ValueError(f"Muon takes 2-D matrices only, got a parameter of shape {tuple(p.shape)}")
+        iteration_plan(ns_method)  # a bad name fails here, not at the first step
         self.ns_dtype = ns_dtype
         self.process_group = process_group
+        self.ns_method, self.cautious_wd = ns_method, cautious_wd
+        self.normuon, self.normuon_beta2 = normuon, normuon_beta2
         self._orthogonalise_stack = torch.compile(newton_schulz, dynamic=False) if compile_ns else newton_schulz
 
     @torch.no_grad()
@@ -136,28 +140,43 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def _step_group(self, group: dict, params: list):
-        local = [_local(p) for p in params]
-        grads = [_local(p.grad) for p in params]
+        local = [local_part(p) for p in params]
+        grads = [local_part(p.grad) for p in params]
         buffers = []
         for p in params:
             if "momentum_buffer" not in self.state[p]:
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-            buffers.append(_local(self.state[p]["momentum_buffer"]))
+            buffers.append(local_part(self.state[p]["momentum_buffer"]))
         momentum = group["momentum"]
         torch._foreach_lerp_(buffers, grads, 1 - momentum)
         updates = torch._foreach_lerp(grads, buffers, momentum) if group["nesterov"] else buffers
         orthogonal = self._orthogonalise(params, updates, group)
+        if self.normuon:
+            moments = [self._row_moment(p) for p in params]
+            orthogonal = normuon(orthogonal, moments, self.normuon_beta2, lambda figures: _column_sums(params, figures))
         lr = group["lr"]
-        if group["weight_decay"]:
-            torch._foreach_mul_(local, 1 - lr * group["weight_decay"])
+        decay_(local, lr * group["weight_decay"], orthogonal if self.cautious_wd else None)
         for p, weight, update in zip(params, local, orthogonal):
             weight.add_(update, alpha=-adjusted_lr(lr, p.shape))
+
+    def _row_moment(self, p):
+        """NorMuon's v of p, one per row, held as p is: whole, or under FSDP p's rows of it (a
+        DTensor sharded as p, so that checkpoints save and reshard it with p). Its local part."""
+        state = self.state[p]
+        if "row_second_moment" not in state:
+            v = torch.zeros(local_part(p).shape[0], dtype=torch.float32, device=local_part(p).device)
+            if isinstance(p, DTensor):
+                v = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=(p.shape[0],),
+                                       stride=(1,))
+            state["row_second_moment"] = v
+        return local_part(state["row_second_moment"])
 
     # ------------------------------------------------------------------ where O is computed
     def _orthogonalise(self, params, updates, group) -> list:
         """O for every parameter, each in the layout this rank holds it (whole, or its FSDP rows)."""
         stacks = stacks_of([tuple(p.shape) for p in params])
-        run = lambda x: self._orthogonalise_stack(x, group["ns_coefficients"], group["ns_steps"], group["eps"])  # noqa: E731
+        plan, safety = iteration_plan(self.ns_method, group["ns_coefficients"], group["ns_steps"])
+        run = lambda x: self._orthogonalise_stack(x, plan, safety, group["eps"])  # noqa: E731
         sharded = isinstance(params[0], DTensor)
         if sharded:
             return _orthogonalise_fsdp(params, updates, stacks, run, self.ns_dtype)
@@ -167,8 +186,47 @@ class Muon(torch.optim.Optimizer):
         return _orthogonalise_ddp(updates, stacks, run, self.ns_dtype, pg)
 
 
-def _local(t):
-    return t.to_local() if isinstance(t, DTensor) else t
+# ------------------------------------------------------------------ NorMuon
+def whole_column_sums(figures) -> list:
+    """Each matrix's column sums of its per-row figures, all rows held here."""
+    return [f.sum(dim=0) for f in figures]
+
+
+def normuon(updates, moments, beta2: float, column_sums=whole_column_sums) -> list:
+    """NorMuon's rescaling of each O in `updates` (whole, or the rows this rank holds), with
+    `moments` its per-row v (the same rows), updated in place: v <- lerp(v, mean(O_row^2),
+    1 - beta2); then O_row / sqrt(v + eps), scaled back to O's Frobenius norm. column_sums:
+    the sums over each matrix's rows of per-row figures ((rows, k) each): over every rank's
+    rows under FSDP (_column_sums)."""
+    row_squares = [u.float().square().contiguous().sum(dim=-1) for u in updates]
+    for v, squares, u in zip(moments, row_squares, updates):
+        v.lerp_(squares / u.shape[-1], 1 - beta2)
+    inv_rms = [(v + NORMUON_EPS).rsqrt() for v in moments]
+    # |O|^2 and |O / sqrt(v + eps)|^2 of each matrix, from its rows' sums of squares
+    norms = column_sums([torch.stack([sq, sq * s.square()], dim=1) for sq, s in zip(row_squares, inv_rms)])
+    # An all-zero O (a zero gradient) has both norms 0: the clamp keeps its update 0, not NaN.
+    scales = [s * (before / after.clamp(min=1e-30)).sqrt() for s, (before, after) in zip(inv_rms, norms)]
+    return [u * scale.unsqueeze(-1) for u, scale in zip(updates, scales)]
+
+
+def _column_sums(params, figures) -> list:
+    """Each matrix's column sums of `figures` (per row, (rows held here, k)), in the same bits
+    on every layout: under FSDP each rank sets its rows among zeros, one all-reduce fills in
+    every rank's (adding zeros changes no bit), and every rank sums whole columns as one
+    process does."""
+    if not isinstance(params[0], DTensor):
+        return whole_column_sums(figures)
+    pg = _mesh_group(params[0])
+    world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    rows = [p.shape[0] for p in params]
+    full = figures[0].new_zeros(sum(rows), figures[0].shape[1])
+    start = 0
+    for p, block in zip(params, figures):
+        mine = start + sum(shard_rows(p.shape[0], world)[:rank])
+        full[mine:mine + block.shape[0]] = block
+        start += p.shape[0]
+    dist.all_reduce(full, group=pg)
+    return whole_column_sums(full.split(rows))
 
 
 def _oriented(matrix, transposed: bool):

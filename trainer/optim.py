@@ -1,5 +1,5 @@
 """The optimizer side of training: parameter groups, AdamW or Muon + AdamW, and the
-per-group learning-rate schedule.
+per-group learning-rate schedule (with Muon's momentum).
 
 Groups (each carries a "name"; its peak lr comes from peak_lrs):
     decay      2-D AdamW weights (embedding = tied output head; with AdamW alone, every matrix)
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from common.errors import UserError
+from trainer.adamw import AdamW
 from trainer.muon import Muon
 
 
@@ -30,21 +31,46 @@ class OptimConfig:
     ns_dtype: str = "float32"       # Muon's Newton-Schulz: the run's precision (bfloat16 under bf16 autocast)
     compile_ns: bool = False        # compile Muon's Newton-Schulz (CUDA)
     fused: bool = True              # fused AdamW (CPU and CUDA); off for the exact-reference tests
+    # Options, each off by default (the schedule: MiniMind's cosine); docs/flags.md says what each does.
+    muon_ns: str = "quintic"        # quintic | polar_express (trainer/newton_schulz.py)
+    normuon: bool = False
+    normuon_beta2: float = 0.95
+    cautious_wd: str = "none"       # none | muon | adamw | both (trainer/weight_decay.py)
+    warmup_steps: int = 0
+    lr_schedule: str = "cosine"     # cosine (MiniMind's get_lr) | wsd
+    cooldown_frac: float = 0.2      # wsd: the last share of the run, a linear cooldown
+    min_lr_frac: float = 0.1        # both: the floor, a share of each group's peak
+    muon_momentum_warmup: int = 0   # steps from MOMENTUM_START to muon_momentum
+    lr_ref_width: int = 0           # AdamW peaks x (hidden_size / lr_ref_width) ** -0.5 (0: off)
+    hidden_size: int = 0            # the model's width, for lr_ref_width
 
     @classmethod
-    def from_args(cls, args, settings, device) -> "OptimConfig":
-        """`settings`: the run's RunSettings (--optimizer and --dtype as resolved, never auto)."""
+    def from_args(cls, args, settings, device, hidden_size: int) -> "OptimConfig":
+        """`settings`: the run's RunSettings (--optimizer and --dtype as resolved, never auto);
+        hidden_size: the model's (the config's: --from_weight's may decide it)."""
         return cls(optimizer=settings.optimizer, param_groups=args.param_groups, lr=args.learning_rate,
                    weight_decay=args.weight_decay, betas=args.adam_betas, muon_lr=args.muon_lr,
                    muon_momentum=args.muon_momentum,
                    ns_dtype="bfloat16" if settings.dtype == "bfloat16" else "float32",
-                   compile_ns=device.type == "cuda")
+                   compile_ns=device.type == "cuda", muon_ns=args.muon_ns, normuon=bool(args.normuon),
+                   normuon_beta2=args.normuon_beta2, cautious_wd=args.cautious_wd, warmup_steps=args.warmup_steps,
+                   lr_schedule=args.lr_schedule, cooldown_frac=args.cooldown_frac, min_lr_frac=args.min_lr_frac,
+                   muon_momentum_warmup=args.muon_momentum_warmup, lr_ref_width=args.lr_ref_width,
+                   hidden_size=hidden_size)
 
 
 def check_optim_args(args):
     if args.optimizer == "muon" and args.param_groups == "single":
         raise UserError("--param_groups single is MiniMind's AdamW-on-everything recipe; "
                         "with --optimizer muon drop it (or pass --optimizer adamw)")
+    if args.optimizer == "adamw":  # Muon's options would change nothing, silently
+        muon_only = [("muon_ns", args.muon_ns != "quintic"), ("normuon", args.normuon == 1),
+                     ("muon_momentum_warmup", args.muon_momentum_warmup > 0),
+                     ("cautious_wd", args.cautious_wd in ("muon", "both"))]
+        for flag, on in muon_only:
+            if on:
+                raise UserError(f"--{flag} {getattr(args, flag)} changes Muon's update, and --optimizer adamw "
+                                f"trains without Muon: drop it (or pass --optimizer muon or auto)")
 
 
 def is_block_matrix(name: str, param) -> bool:
@@ -70,7 +96,19 @@ def param_groups(model, cfg: OptimConfig) -> list[dict]:
 def peak_lrs(cfg: OptimConfig) -> dict:
     """Each group's peak lr. Kept out of the param groups (which a checkpoint restores),
     so a resumed run follows this run's flags."""
-    return {"muon": cfg.muon_lr, "decay": cfg.lr, "no_decay": cfg.lr, "all": cfg.lr}
+    adamw = cfg.lr * adamw_width_scale(cfg)
+    return {"muon": cfg.muon_lr, "decay": adamw, "no_decay": adamw, "all": adamw}
+
+
+def adamw_width_scale(cfg: OptimConfig) -> float:
+    """With lr_ref_width W, the AdamW groups' peaks scale as (hidden_size / W) ** -0.5: nanochat's
+    rule (its W is 768), as the embedding's best lr falls with the width; ours were tuned at
+    hidden 256. Muon's lr needs no such rule (its update has the matrix's own scale). 1 when off."""
+    if not cfg.lr_ref_width:
+        return 1.0
+    if cfg.hidden_size <= 0:
+        raise ValueError("lr_ref_width needs the model's hidden_size in the OptimConfig")
+    return (cfg.hidden_size / cfg.lr_ref_width) ** -0.5
 
 
 class Optimizers:
@@ -117,24 +155,50 @@ def build_optimizer(model, cfg: OptimConfig, data_parallel_group=None) -> Optimi
     groups = param_groups(model, cfg)
     adamw_groups = [g for g in groups if g["name"] != "muon"]
     muon_groups = [g for g in groups if g["name"] == "muon"]
-    # Fused AdamW runs on CPU and CUDA tensors alike (torch >= 2.4); one kernel per step.
-    optimizers = [torch.optim.AdamW(adamw_groups, lr=cfg.lr, betas=cfg.betas, fused=cfg.fused)]
+    if cfg.cautious_wd in ("adamw", "both"):
+        adamw = AdamW(adamw_groups, lr=cfg.lr, betas=cfg.betas, cautious_wd=True)
+    else:  # fused AdamW runs on CPU and CUDA tensors alike (torch >= 2.4); one kernel per step
+        adamw = torch.optim.AdamW(adamw_groups, lr=cfg.lr, betas=cfg.betas, fused=cfg.fused)
+    optimizers = [adamw]
     if muon_groups:
         optimizers.append(Muon(muon_groups, lr=cfg.muon_lr, momentum=cfg.muon_momentum, weight_decay=cfg.weight_decay,
                                ns_dtype=getattr(torch, cfg.ns_dtype), process_group=data_parallel_group,
-                               compile_ns=cfg.compile_ns))
+                               compile_ns=cfg.compile_ns, ns_method=cfg.muon_ns, normuon=cfg.normuon,
+                               normuon_beta2=cfg.normuon_beta2, cautious_wd=cfg.cautious_wd in ("muon", "both")))
     return Optimizers(optimizers)
 
 
-def describe(optimizer: Optimizers, peaks: dict) -> str:
-    """One line: each group's optimizer, size, peak lr and decay."""
-    parts = []
+def describe(optimizer: Optimizers, cfg: OptimConfig) -> str:
+    """One line: each group's optimizer, size, peak lr and decay, then what is on of the
+    options that are off by default."""
+    peaks, parts = peak_lrs(cfg), []
     for opt in optimizer:
         for g in opt.param_groups:
             n = sum(p.numel() for p in g["params"])
             parts.append(f"{g['name']} ({type(opt).__name__}, {n / 1e6:.2f}M params, lr {peaks[g['name']]:.1e}, "
                          f"wd {g['weight_decay']:g})")
-    return "optimizer: " + "; ".join(parts)
+    return "optimizer: " + "; ".join(parts + _options_on(cfg))
+
+
+def _options_on(cfg: OptimConfig) -> list[str]:
+    """The options that are off by default and on in `cfg`, for the start-up line."""
+    on = []
+    if cfg.lr_ref_width:
+        on.append(f"AdamW peaks x{adamw_width_scale(cfg):.3f} = ({cfg.hidden_size} / {cfg.lr_ref_width}) ** -0.5 "
+                  f"(--lr_ref_width)")
+    if cfg.optimizer == "muon" and cfg.muon_ns != "quintic":
+        on.append(f"Newton-Schulz {cfg.muon_ns}")
+    if cfg.optimizer == "muon" and cfg.normuon:
+        on.append(f"NorMuon (beta2 {cfg.normuon_beta2:g})")
+    if cfg.optimizer == "muon" and cfg.muon_momentum_warmup:
+        on.append(f"Muon momentum {MOMENTUM_START:g} to {cfg.muon_momentum:g} over {cfg.muon_momentum_warmup} steps")
+    if cfg.cautious_wd != "none":
+        on.append(f"cautious weight decay ({cfg.cautious_wd})")
+    if cfg.lr_schedule == "wsd":
+        on.append(f"lr schedule wsd (cooldown over the last {cfg.cooldown_frac:.0%})")
+    if cfg.min_lr_frac != OptimConfig.min_lr_frac:
+        on.append(f"lr floor {cfg.min_lr_frac:g} of each peak")
+    return on
 
 
 # ---------------------------------------------------------------------------- schedule
@@ -148,8 +212,60 @@ def get_lr(step: int, total_steps: int, lr: float, warmup_steps: int = 0, min_lr
     return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def set_lr(optimizer, peaks: dict, step: int, total_steps: int, warmup_steps: int) -> dict:
-    """Schedule every group from its own peak; returns {group name: lr} for the log."""
+def wsd_lr(step: int, total_steps: int, lr: float, warmup_steps: int = 0, cooldown_frac: float = 0.2,
+           min_lr_ratio: float = 0.1) -> float:
+    """Warmup-stable-decay: get_lr's warmup, then `lr` itself until the last `cooldown_frac` of
+    the run (never before the warmup ends), then linear to `min_lr_ratio * lr` at `total_steps`."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    cooldown_start = max(warmup_steps, total_steps * (1 - cooldown_frac))
+    if step <= cooldown_start:
+        return lr
+    span = total_steps - cooldown_start  # > 0 at every step of the run (step < total_steps)
+    progress = min(1.0, (step - cooldown_start) / span) if span > 0 else 1.0
+    return lr * (1 - (1 - min_lr_ratio) * progress)
+
+
+MOMENTUM_START = 0.85  # where --muon_momentum_warmup starts Muon's momentum (modded-nanogpt's)
+
+
+def muon_momentum(step: int, target: float, warmup_steps: int) -> float:
+    """Muon's momentum at step `step`: linear from MOMENTUM_START at step 0 to `target` at
+    `warmup_steps`, then `target` (always, without a warmup)."""
+    if step >= warmup_steps:
+        return target
+    return MOMENTUM_START + (target - MOMENTUM_START) * step / warmup_steps
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Every group's lr, and Muon's momentum, as functions of the optimizer step alone. set_lr
+    writes them into the param groups before every step, over what a checkpoint restored
+    there, so a checkpoint needs nothing of them and a resumed run follows its own flags."""
+    peaks: dict                     # each group's peak lr (peak_lrs)
+    warmup_steps: int = 0
+    kind: str = "cosine"            # cosine (get_lr) | wsd (wsd_lr)
+    cooldown_frac: float = 0.2
+    min_lr_frac: float = 0.1
+    muon_momentum: float = 0.95
+    momentum_warmup: int = 0
+
+    @classmethod
+    def of(cls, cfg: OptimConfig) -> "Schedule":
+        return cls(peak_lrs(cfg), cfg.warmup_steps, cfg.lr_schedule, cfg.cooldown_frac, cfg.min_lr_frac,
+                   cfg.muon_momentum, cfg.muon_momentum_warmup)
+
+    def lr(self, group: str, step: int, total_steps: int) -> float:
+        peak = self.peaks[group]
+        if self.kind == "wsd":
+            return wsd_lr(step, total_steps, peak, self.warmup_steps, self.cooldown_frac, self.min_lr_frac)
+        return get_lr(step, total_steps, peak, self.warmup_steps, self.min_lr_frac)
+
+
+def set_lr(optimizer, schedule: Schedule, step: int, total_steps: int) -> dict:
+    """Schedule every group from its own peak, and Muon's momentum; returns {group name: lr} for the log."""
     for group in optimizer.param_groups:
-        group["lr"] = get_lr(step, total_steps, peaks[group["name"]], warmup_steps)
+        group["lr"] = schedule.lr(group["name"], step, total_steps)
+        if group["name"] == "muon":
+            group["momentum"] = muon_momentum(step, schedule.muon_momentum, schedule.momentum_warmup)
     return {group["name"]: group["lr"] for group in optimizer.param_groups}

@@ -122,5 +122,10 @@ def local_state_mib(model, optimizer) -> tuple[float, float]:
     return mib(model.parameters()), mib(states)
 
 
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of `t`: its FSDP shard (a DTensor's local tensor), else `t` itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def as_local_scalar(value: torch.Tensor) -> torch.Tensor:
     return value.full_tensor() if isinstance(value, DTensor) else value

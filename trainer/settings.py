@@ -12,7 +12,7 @@ from model.model_minimind import MiniMindForCausalLM, count_parameters
 from trainer.device import cuda_has_native_bf16, native_bf16_cpu_flags, read_cpu_flags
 from trainer.distributed import Logger
 from trainer.metrics import flops_per_token
-from trainer.muon import newton_schulz_flops
+from trainer.newton_schulz import newton_schulz_flops
 from trainer.optim import is_block_matrix
 
 

@@ -71,6 +71,24 @@ def init_model(config: MiniMindConfig, from_weight: str | None = None, device="c
     return model.to(device)
 
 
+OUTPUT_PROJECTIONS = ("o_proj", "down_proj")  # what each block adds to the residual stream goes through these
+
+
+@torch.no_grad()
+def zero_output_projections(model) -> int:
+    """Zero every block's output projections (attention's o_proj; the MLP's down_proj, every
+    expert's under MoE), so each block starts as the identity on the residual stream and its
+    share grows from 0 (modded-nanogpt's and nanochat's init). The gradients of the weights
+    before them start at 0 too; the output projections' own do not. The model's architecture
+    and files do not change: --zero_init_outputs 1 calls this for a fresh run. Returns how
+    many it zeroed."""
+    zeroed = [m for name, m in model.named_modules() if name.rpartition(".")[2] in OUTPUT_PROJECTIONS]
+    for module in zeroed:
+        module.weight.zero_()
+    Logger(f"zero init: the {len(zeroed)} output projections ({', '.join(OUTPUT_PROJECTIONS)}) start at 0")
+    return len(zeroed)
+
+
 class _PlainState:
     """A dict of the caller's (step counters and the like) as a checkpoint part."""
 

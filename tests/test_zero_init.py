@@ -1,0 +1,49 @@
+"""--zero_init_outputs: a fresh model's block output projections start at 0
+(trainer/trainer_utils.py's zero_output_projections, called from build_parts), and nothing
+else changes: not the other weights, not a model loaded with --from_weight."""
+import pytest
+import torch
+
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+from tests.tiny import TINY
+from trainer.args import parse_args
+from trainer.distributed import DistEnv
+from trainer.settings import RunSettings
+from trainer.trainer_utils import model_config_from_args, zero_output_projections
+
+
+@pytest.mark.parametrize("use_moe, expected", [(False, 2 * 2), (True, 2 * (1 + 4))])
+def test_every_blocks_output_projections_and_only_they_start_at_zero(use_moe, expected):
+    """2 layers: o_proj and down_proj each (4), or o_proj and the 4 experts' down_proj (10). Each
+    block then adds 0 to the residual stream: the last hidden state is the embedding's."""
+    torch.manual_seed(0)
+    model = MiniMindForCausalLM(MiniMindConfig(hidden_size=64, num_hidden_layers=2, vocab_size=512, use_moe=use_moe))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert zero_output_projections(model) == expected
+    zeroed = [n for n, p in model.named_parameters() if not p.any()]
+    assert len(zeroed) == expected and all(n.endswith(("o_proj.weight", "down_proj.weight")) for n in zeroed)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters() if n not in zeroed)
+    ids = torch.randint(3, 512, (2, 16))
+    hidden = model.model.norm(model.model.embed_tokens(ids))
+    torch.testing.assert_close(model(ids).logits, model.lm_head(hidden))
+
+
+def test_build_parts_zeroes_a_fresh_model_and_leaves_loaded_weights_be(tmp_path):
+    from trainer.loop import build_parts
+    from trainer.run_files import initial_weights
+
+    def parts(*flags):
+        args = parse_args([*TINY, *flags])
+        return build_parts(args, DistEnv(), model_config_from_args(args, 6400), RunSettings("float32", "muon", False),
+                           initial_weights(args))
+
+    def o_proj(model):
+        return model.model.layers[0].self_attn.o_proj.weight
+
+    assert o_proj(parts().model).any()  # off by default
+    fresh = parts("--zero_init_outputs", "1").model
+    assert not o_proj(fresh).any() and not fresh.model.layers[1].mlp.down_proj.weight.any()
+    trained = parts().model
+    torch.save(trained.state_dict(), tmp_path / "init.pth")
+    loaded = parts("--zero_init_outputs", "1", "--from_weight", str(tmp_path / "init.pth")).model
+    assert torch.equal(o_proj(loaded), o_proj(trained))
