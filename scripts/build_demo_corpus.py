@@ -7,6 +7,7 @@ conversations made from the same docstrings (dataset/demo_sft.py), and their hel
     python scripts/build_demo_corpus.py --modules json,textwrap --out /tmp/small.jsonl
     python scripts/build_demo_corpus.py --sft           # -> dataset/demo_sft.jsonl, demo_sft_heldout.jsonl
     python scripts/build_demo_corpus.py --sft --task dataset/tasks/minimind_sft_heldout.jsonl
+    python scripts/build_demo_corpus.py --task task.jsonl --held_out my_heldout.jsonl   # the task alone
 """
 import argparse
 import sys
@@ -28,6 +29,8 @@ def main(argv=None):
     parser.add_argument("--sft", action="store_true", help="the demo conversations instead of the corpus")
     parser.add_argument("--task", type=Path, default=None,
                         help="with --sft: also write the held-out multiple-choice task (dataset/tasks/ format) here")
+    parser.add_argument("--held_out", type=Path, default=None,
+                        help="with --task and no --sft: cut the task from these held-out conversations")
     parser.add_argument("--modules", type=str, default=None,
                         help="comma-separated module names to use instead of the whole stdlib")
     parser.add_argument("--jobs", type=int, default=2, help="child processes run in parallel")
@@ -44,8 +47,13 @@ def main(argv=None):
         modules = [m.strip() for m in args.modules.split(",") if m.strip()]
         if not modules:
             parser.error("--modules is empty")
-    if args.task and not args.sft:
-        parser.error("--task is the held-out task of the demo conversations: pass --sft too")
+    if args.task and not (args.sft or args.held_out):
+        parser.error("--task is cut from held-out conversations: pass --sft (the demo ones) or --held_out FILE")
+    if args.held_out and not args.sft:
+        if not args.held_out.is_file():
+            parser.error(f"--held_out {args.held_out}: no such file")
+        print(f"[demo conversations] {build_task(args.held_out, args.task)} task items -> {args.task}")
+        return {"task": args.task}
     out = args.out or (DEMO_SFT if args.sft else DEMO_CORPUS)
     try:
         if args.sft:

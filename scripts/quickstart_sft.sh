@@ -19,6 +19,10 @@ set -euo pipefail
 abspath() { case "$1" in /*) printf '%s\n' "$1" ;; *) printf '%s\n' "$PWD/$1" ;; esac; }
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="$(abspath "${QS_OUT:-$REPO_ROOT/out/quickstart}")"
+# The conversations to train on, and beside them (*_heldout.jsonl) the held-out ones.
+DEFAULT_CONVERSATIONS="$REPO_ROOT/dataset/demo_sft.jsonl"
+CONVERSATIONS="$(abspath "${QS_SFT_CORPUS:-$DEFAULT_CONVERSATIONS}")"
+HELD_OUT="${CONVERSATIONS%.jsonl}_heldout.jsonl"
 cd "$REPO_ROOT"
 PYTHON="${PYTHON:-python}"
 TORCHRUN="${TORCHRUN:-torchrun}"
@@ -53,15 +57,24 @@ else
 fi
 
 stage 2/6 "demo conversations, packing, the held-out task"
-# Built fresh each time (about 10 s): the split holds out whole modules by a hash of their name.
-"$PYTHON" scripts/build_demo_corpus.py --sft --out "$DATA/train.jsonl" --task "$DATA/task.jsonl"
-TQDM_DISABLE=1 "$PYTHON" scripts/prepare_data.py --sft --data_path "$DATA/train.jsonl" --out_path "$DATA/train.bin"
-TQDM_DISABLE=1 "$PYTHON" scripts/prepare_data.py --sft --data_path "$DATA/train_heldout.jsonl" \
-    --out_path "$DATA/heldout.bin" --num_proc 1
+# The demo conversations are built once (about 10 s), as the trainer's default --data_path is;
+# the split holds out whole modules by a hash of their names.
+if [[ -s "$CONVERSATIONS" ]]; then
+    echo "using $CONVERSATIONS ($(wc -l < "$CONVERSATIONS") conversations) and $HELD_OUT"
+elif [[ "$CONVERSATIONS" == "$DEFAULT_CONVERSATIONS" ]]; then
+    "$PYTHON" scripts/build_demo_corpus.py --sft
+else
+    echo "error: QS_SFT_CORPUS=$CONVERSATIONS: no such file (or empty)" >&2
+    exit 2
+fi
+"$PYTHON" scripts/build_demo_corpus.py --task "$DATA/task.jsonl" --held_out "$HELD_OUT"
+TQDM_DISABLE=1 "$PYTHON" scripts/prepare_data.py --sft --data_path "$CONVERSATIONS" --out_path "$DATA/train.bin"
+TQDM_DISABLE=1 "$PYTHON" scripts/prepare_data.py --sft --data_path "$HELD_OUT" --out_path "$DATA/heldout.bin" \
+    --num_proc 1
 
 # scores FILE WEIGHTS: the held-out reply loss and the task, as a chat model is asked, into FILE.
 scores() {
-    "$PYTHON" scripts/eval_llm.py --weight_path "$2" --device cpu --chat --ppl_data "$DATA/train_heldout.jsonl" \
+    "$PYTHON" scripts/eval_llm.py --weight_path "$2" --device cpu --chat --ppl_data "$HELD_OUT" \
         --max_seq_len "$SEQ" --task "$DATA/task.jsonl" | tee "$1"
 }
 

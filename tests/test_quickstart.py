@@ -59,8 +59,11 @@ def torchrun_path(tmp_path):
 # -----------------------------------------------------------------------------
 # the whole script
 
-@pytest.mark.slow
-def test_quickstart_runs_every_stage(tmp_path):
+@pytest.fixture(scope="module")
+def quickstarted(tmp_path_factory):
+    """quickstart.sh at a tiny size, run from outside the repo: (the folder it ran in, its
+    environment, its output)."""
+    tmp_path = tmp_path_factory.mktemp("quickstart")
     corpus = tmp_path / "corpus.jsonl"
     write_jsonl(corpus, synthetic_corpus())
     work = tmp_path / "elsewhere"  # run from a directory that is not the repo root
@@ -75,8 +78,13 @@ def test_quickstart_runs_every_stage(tmp_path):
     })
     result = subprocess.run(["bash", str(QUICKSTART)], cwd=work, env=env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
-    log = result.stdout
-    assert_clean_exit(result.returncode, log, "quickstart.sh")  # its torchrun stage included
+    assert_clean_exit(result.returncode, result.stdout, "quickstart.sh")  # its torchrun stage included
+    return work, env, result.stdout
+
+
+@pytest.mark.slow
+def test_quickstart_runs_every_stage(quickstarted):
+    work, _, log = quickstarted
     for stage in range(1, 7):
         assert f"==== [{stage}/6]" in log, f"stage {stage} did not run:\n{log[-4000:]}"
 
@@ -135,6 +143,41 @@ def test_quickstart_runs_every_stage(tmp_path):
     n_items = len(task.read_text().splitlines())
     assert re.search(rf"^downstream: acc {acc_line[1]} ± {acc_line[3]}, acc_norm {acc_line[2]} ± {acc_line[4]} "
                      rf"on {n_items} items, chance 0\.2500: acc - chance = -?[\d.]+ stderr$", log, re.M), log[-4000:]
+
+
+SFT_SUMMARY = re.compile(r"quickstart_sft summary: steps=(\d+) base_reply_loss=(\S+) sft_reply_loss=(\S+) "
+                         r"base_acc=(\S+) sft_acc=(\S+) chance=(\S+) wall=(\d+)s")
+
+
+@pytest.mark.slow
+def test_quickstart_sft_fine_tunes_the_quickstart_model(quickstarted, tmp_path):
+    """quickstart_sft.sh on the tiny pre-trained model above, with conversations of its own: it
+    scores the base model, fine-tunes it under torchrun, scores it again, answers a question
+    and exports a folder whose tokenizer carries the chat template."""
+    from tests.helpers_data import write_conversations
+
+    work, env, _ = quickstarted
+    write_conversations(tmp_path / "chat.jsonl", n=120)
+    write_conversations(tmp_path / "chat_heldout.jsonl", n=20)
+    env = dict(env, QS_SFT_CORPUS=str(tmp_path / "chat.jsonl"), QS_SFT_STEPS="4", QS_SFT_SEQ="64",
+               QS_SFT_BATCH="2", QS_SFT_QUESTION="What is 3?")
+    result = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "quickstart_sft.sh")], cwd=work, env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            timeout=240)
+    log = result.stdout
+    assert_clean_exit(result.returncode, log, "quickstart_sft.sh")
+    for stage in range(1, 7):
+        assert f"==== [{stage}/6]" in log, f"stage {stage} did not run:\n{log[-4000:]}"
+    assert "using " + str(work / "qs" / "quickstart_64.pth") in log  # the quick start's model, not a new one
+    sft = work / "qs" / "sft"
+    assert (sft / "quickstart_sft_64.pth").is_file() and (sft / "hf" / "chat_template.jinja").is_file()
+    assert "world_size=2" in log and "user: What is 3?\nassistant: " in log
+    assert len((sft / "data" / "task.jsonl").read_text().splitlines()) == 20
+    summary = SFT_SUMMARY.fullmatch(log.strip().splitlines()[-1])
+    assert summary, log[-3000:]
+    assert int(summary[1]) == 4 and summary[6] == "0.2500"
+    replies = re.findall(r"conversations=\d+ reply_tokens=\d+ loss=(\S+)", log)
+    assert replies == [summary[2], summary[3]], log[-3000:]
 
 
 # -----------------------------------------------------------------------------
