@@ -7,10 +7,10 @@
 #
 # Stages: 1 the pre-trained model (out/quickstart/, made by scripts/quickstart.sh when missing),
 # 2 the demo conversations (stdlib docstrings as questions and answers, whole modules held out),
-# their packing and the held-out multiple-choice task, 3 the base model's scores, 4 fine-tuning
-# with torchrun (DDP over 2 CPU processes), 5 the fine-tuned model's scores and its answer to a
-# held-out question, 6 export to a folder that stock transformers chats with. The last line is
-# a one-line summary: held-out reply loss and task accuracy, base against fine-tuned.
+# their packing and the held-out multiple-choice task, 3 the base model's held-out reply loss,
+# 4 fine-tuning with torchrun (DDP over 2 CPU processes), 5 the fine-tuned model's reply loss,
+# its answer to a held-out question and the task, both models item by item (scripts/compare_task.py),
+# 6 export to a folder that stock transformers chats with. The last line is a one-line summary.
 #
 # Every knob is an environment variable: the pre-training ones of scripts/quickstart.sh (QS_OUT,
 # QS_HIDDEN, QS_LAYERS, ...) say which pre-trained model, the QS_SFT_* ones the fine-tuning.
@@ -47,7 +47,7 @@ SFT_PTH="$SFT_OUT/quickstart_sft_$HIDDEN.pth"
 HF_DIR="$SFT_OUT/hf"
 mkdir -p "$DATA" "$LOGS"
 stage() { printf '\n==== [%s] %s  (t=%ss)\n' "$1" "$2" "$SECONDS"; }
-value() { grep -oE "(^| )$1=[^ ]*" "$2" | head -n 1 | cut -d= -f2; }
+value() { grep -oE "(^| )$1=[^ ]*" "${2:--}" | head -n 1 | cut -d= -f2; }  # FILE, or stdin
 
 stage 1/6 "the pre-trained model"
 if [[ -s "$PRETRAINED" ]]; then
@@ -72,14 +72,9 @@ TQDM_DISABLE=1 "$PYTHON" scripts/prepare_data.py --sft --data_path "$CONVERSATIO
 TQDM_DISABLE=1 "$PYTHON" scripts/prepare_data.py --sft --data_path "$HELD_OUT" --out_path "$DATA/heldout.bin" \
     --num_proc 1
 
-# scores FILE WEIGHTS: the held-out reply loss and the task, as a chat model is asked, into FILE.
-scores() {
-    "$PYTHON" scripts/eval_llm.py --weight_path "$2" --device cpu --chat --ppl_data "$HELD_OUT" \
-        --max_seq_len "$SEQ" --task "$DATA/task.jsonl" | tee "$1"
-}
-
-stage 3/6 "the base model: held-out reply loss, and the task asked as chat turns"
-scores "$LOGS/base.txt" "$PRETRAINED"
+stage 3/6 "the base model: its loss on the held-out replies"
+"$PYTHON" scripts/eval_llm.py --weight_path "$PRETRAINED" --device cpu --chat --ppl_data "$HELD_OUT" \
+    --max_seq_len "$SEQ" | tee "$LOGS/base.txt"
 
 stage 4/6 "fine-tuning: $NPROC CPU processes (DDP), $EPOCHS epochs of $((BATCH * NPROC)) x $SEQ tokens a step"
 rm -rf "$SFT_OUT/checkpoints"
@@ -91,24 +86,20 @@ OMP_NUM_THREADS=1 "$TORCHRUN" "${RDZV[@]}" --nproc_per_node="$NPROC" trainer/tra
     --save_dir "$SFT_OUT" --save_weight quickstart_sft --checkpoint_dir "$SFT_OUT/checkpoints" \
     2>&1 | tee "$LOGS/train.log"
 
-stage 5/6 "the fine-tuned model: the same scores, and its answer to a held-out question (greedy)"
-scores "$LOGS/sft.txt" "$SFT_PTH"
-"$PYTHON" scripts/eval_llm.py --weight_path "$SFT_PTH" --device cpu --chat --greedy \
-    --max_new_tokens "$MAX_NEW_TOKENS" --prompt "$QUESTION" | tee "$LOGS/answer.txt"
+stage 5/6 "the fine-tuned model: its held-out reply loss, its answer to a held-out question (greedy), \
+and the task, item by item against the base model"
+"$PYTHON" scripts/eval_llm.py --weight_path "$SFT_PTH" --device cpu --chat --ppl_data "$HELD_OUT" \
+    --max_seq_len "$SEQ" --greedy --max_new_tokens "$MAX_NEW_TOKENS" --prompt "$QUESTION" | tee "$LOGS/sft.txt"
+"$PYTHON" scripts/compare_task.py --task "$DATA/task.jsonl" --chat --weights "$PRETRAINED" "$SFT_PTH" \
+    | tee "$LOGS/task.txt"
 
 stage 6/6 "export to Hugging Face format, with the chat template"
 "$PYTHON" scripts/convert_model.py --weight_path "$SFT_PTH" --format native --out_dir "$HF_DIR" | tee "$LOGS/export.txt"
 
 # ---- summary ----------------------------------------------------------------------------
-line() {  # line NAME FILE: reply loss, acc and acc_norm with their standard errors
-    printf '%-10s reply_loss=%s acc=%s±%s acc_norm=%s±%s\n' "$1" "$(value loss "$2")" "$(value acc "$2")" \
-        "$(value acc_stderr "$2")" "$(value acc_norm "$2")" "$(value acc_norm_stderr "$2")"
-}
-printf '\n'
-line base "$LOGS/base.txt"
-line sft "$LOGS/sft.txt"
-printf 'chance=%s items=%s\n' "$(value chance "$LOGS/sft.txt")" "$(value items "$LOGS/sft.txt")"
 STEPS="$(grep -oE '^done: [0-9]+ steps' "$LOGS/train.log" | grep -oE '[0-9]+')"
-printf '\nquickstart_sft summary: steps=%s base_reply_loss=%s sft_reply_loss=%s base_acc=%s sft_acc=%s chance=%s wall=%ss\n' \
-    "$STEPS" "$(value loss "$LOGS/base.txt")" "$(value loss "$LOGS/sft.txt")" "$(value acc "$LOGS/base.txt")" \
-    "$(value acc "$LOGS/sft.txt")" "$(value chance "$LOGS/sft.txt")" "$SECONDS"
+ACC="$(grep 'metric=acc ' "$LOGS/task.txt")"
+printf '\nquickstart_sft summary: steps=%s base_reply_loss=%s sft_reply_loss=%s base_acc=%s sft_acc=%s acc_gain=%s paired_stderr=%s chance=%s wall=%ss\n' \
+    "$STEPS" "$(value loss "$LOGS/base.txt")" "$(value loss "$LOGS/sft.txt")" "$(value a <<< "$ACC")" \
+    "$(value b <<< "$ACC")" "$(value b_minus_a <<< "$ACC")" "$(value paired_stderr <<< "$ACC")" \
+    "$(value chance <<< "$ACC")" "$SECONDS"

@@ -375,3 +375,13 @@ def load_model_from_checkpoint(saved):
     model = MiniMindForCausalLM(MiniMindConfig.from_dict(saved["model_config"]))
     model.load_state_dict(saved["model"])
     return model.eval()
+
+
+def test_the_paired_difference_of_two_models_by_hand():
+    """scripts/compare_task.py: B - A item by item. Differences 0, 1, 0, -1: mean 0, sample
+    variance (0 + 1 + 0 + 1) / 3, so the standard error is sqrt(2/3) / sqrt(4)."""
+    from scripts.compare_task import paired
+
+    mean, stderr = paired([True, False, True, True], [True, True, True, False])
+    assert mean == 0 and stderr == pytest.approx(math.sqrt(2 / 3) / 2)
+    assert paired([False] * 3, [True] * 3) == (1.0, 0.0)

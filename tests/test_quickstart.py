@@ -146,7 +146,7 @@ def test_quickstart_runs_every_stage(quickstarted):
 
 
 SFT_SUMMARY = re.compile(r"quickstart_sft summary: steps=(\d+) base_reply_loss=(\S+) sft_reply_loss=(\S+) "
-                         r"base_acc=(\S+) sft_acc=(\S+) chance=(\S+) wall=(\d+)s")
+                         r"base_acc=(\S+) sft_acc=(\S+) acc_gain=(\S+) paired_stderr=(\S+) chance=(\S+) wall=(\d+)s")
 
 
 @pytest.mark.slow
@@ -175,9 +175,12 @@ def test_quickstart_sft_fine_tunes_the_quickstart_model(quickstarted, tmp_path):
     assert len((sft / "data" / "task.jsonl").read_text().splitlines()) == 20
     summary = SFT_SUMMARY.fullmatch(log.strip().splitlines()[-1])
     assert summary, log[-3000:]
-    assert int(summary[1]) == 4 and summary[6] == "0.2500"
+    assert int(summary[1]) == 4 and summary[8] == "0.2500"
     replies = re.findall(r"conversations=\d+ reply_tokens=\d+ loss=(\S+)", log)
     assert replies == [summary[2], summary[3]], log[-3000:]
+    acc = re.search(r"^metric=acc items=20 chance=0\.2500 a=(\S+) b=(\S+) b_minus_a=(\S+) paired_stderr=(\S+) ", log, re.M)
+    assert acc and acc.groups() == summary.groups()[3:7], log[-3000:]
+    assert float(acc[3]) == pytest.approx(float(acc[2]) - float(acc[1]), abs=1e-4)
 
 
 # -----------------------------------------------------------------------------
