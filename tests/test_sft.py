@@ -4,10 +4,12 @@ a killed run bitwise, starts from the pre-trained weights by MiniMind's names, s
 line before step 1, and what it trains answers in stock transformers as it does here."""
 import io
 import json
+import shutil
 
 import pytest
 import torch
 
+from model.weights import load_model
 from scripts.launching import TRAIN_SFT
 from scripts.prepare_data import prepare_sft
 from tests.assertions import assert_bitwise_equal, assert_clean_exit, error_lines, max_abs_diff
@@ -35,8 +37,9 @@ def data(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(data, tmp_path_factory):
     """One SFT run on packed conversations (--doc_mask 1, the default) as one process (plain
-    python), two (torchrun) and two single-process nodes; and two ranks killed at step 13,
-    resumed under the legacy launcher. {name: (run_dir, Finished)}"""
+    python), two (torchrun, and FSDP) and two single-process nodes; and two ranks killed at
+    step 13, resumed by two under the legacy launcher and, from a copy, by one process.
+    {name: (run_dir, Finished)}"""
     root, packed = tmp_path_factory.mktemp("sft"), data[1]
 
     def job(name, nproc, mode, *extra, env=None):
@@ -44,10 +47,13 @@ def runs(data, tmp_path_factory):
         return JobSpec(flags, root / name, nproc, mode, env, script=TRAIN_SFT)
 
     first = {"single": job("single", 1, "python"), "ddp": job("ddp", 2, "torchrun"),
+             "fsdp": job("fsdp", 2, "forked", "--parallel", "fsdp"),
              "killed": job("killed", 2, "forked", env=fault_env("kill", at=KILL, rank=1))}
     done = {name: (first[name].run_dir, result) for name, result in run_all(first, timeout=240).items()}
-    resumed = {"resumed": job("killed", 2, "legacy", "--from_resume", "1")}
-    done["killed/resumed"] = (root / "killed", run_all(resumed, timeout=240)["resumed"])
+    shutil.copytree(root / "killed", root / "ws2to1", symlinks=True)
+    resumed = {"killed/resumed": job("killed", 2, "legacy", "--from_resume", "1"),
+               "ws2to1": job("ws2to1", 1, "forked", "--from_resume", "1")}
+    done.update({name: (resumed[name].run_dir, result) for name, result in run_all(resumed, timeout=240).items()})
     nodes = [root / "nodes" / f"node{r}" for r in range(2)]
     flags = [*BASE, "--data_path", str(packed), *out_args(root / "nodes" / "shared")]
     done["nodes"] = (root / "nodes" / "shared", run_nodes(flags, nodes, script=TRAIN_SFT)[0])
@@ -68,6 +74,23 @@ def test_sft_is_the_same_run_at_any_process_count(runs):
         diff = max_abs_diff(final_weights(runs, name), single)
         print(f"{name} vs one process after {STEPS} steps: max |weight difference| {diff:.1e}")
         assert diff <= 1e-5
+
+
+def test_fsdp_fine_tunes_as_ddp_does(runs):
+    run_dir, result = runs["fsdp"]
+    assert_clean_exit(result.returncode, result.stdout, "fsdp")
+    assert "parallel=fsdp" in result.stdout
+    fsdp = load_model(run_dir / "out" / f"{PREFIX}.pth")[0].float().state_dict()
+    ddp = load_model(runs["ddp"][0] / "out" / f"{PREFIX}.pth")[0].float().state_dict()
+    assert max_abs_diff(fsdp, ddp) <= 1e-3  # the inference weights, in half precision
+
+
+def test_a_killed_two_process_run_resumes_in_one(runs):
+    result = runs["ws2to1"][1]
+    assert "world size 2 -> 1" not in result.stdout  # --global_batch_size: the same step size
+    diff = max_abs_diff(final_weights(runs, "ws2to1"), final_weights(runs, "single"))
+    print(f"killed at 2 processes, resumed at 1, against one process throughout: {diff:.1e}")
+    assert diff <= 1e-5
 
 
 def test_a_killed_sft_run_resumes_bitwise(runs):
@@ -160,3 +183,28 @@ def test_stock_transformers_answers_with_our_tokens(runs, tmp_path):
                                           eos_token_id=hf_tokenizer.eos_token_id, pad_token_id=0)[0, len(prompt):]
         mine = chat_reply(model, ours, messages, args, out=io.StringIO())
         assert generated.tolist() == mine
+
+
+def test_eval_llm_chats_turn_after_turn(runs, monkeypatch, capsys):
+    """In a terminal, eval_llm.py --chat keeps the conversation: the second question is asked
+    after the first answer, as the chat template renders the two turns."""
+    from argparse import Namespace
+
+    from dataset.lm_dataset import load_tokenizer
+    from scripts import eval_llm
+    from scripts.launching import REPO_ROOT
+
+    model = load_model(runs["single"][0] / "out" / f"{PREFIX}.pth")[0].float().eval()
+    tokenizer = load_tokenizer(REPO_ROOT / "model")
+    asked = []
+    real = eval_llm.chat_reply
+    monkeypatch.setattr(eval_llm, "chat_reply", lambda m, t, turns, a, out=None: asked.append(list(turns)) or
+                        real(m, t, turns, a, out))
+    typed = iter(["What is 3?", "More?", ""])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(typed))
+    args = Namespace(chat=True, max_new_tokens=8, do_sample=0, temperature=0.0, top_k=0, top_p=1.0)
+    eval_llm.interactive(model, tokenizer, args)
+    assert [t["content"] for t in asked[0]] == ["What is 3?"]
+    assert [t["role"] for t in asked[1]] == ["user", "assistant", "user"] and asked[1][2]["content"] == "More?"
+    assert asked[1][1]["content"] == tokenizer.decode(real(model, tokenizer, asked[0], args, io.StringIO()),
+                                                      skip_special_tokens=True)
