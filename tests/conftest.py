@@ -9,14 +9,14 @@ from tests.jobs import SharedRuns
 from tests.tiny import build_tokenizer, ensure_demo_corpus
 
 
-# The files that take longest, longest first: 136, 89, 85, 64, 59, 53, 30, 27, 21, 18, 16, 15 and 13 s
-# of their tests' time in one `-n 3 --durations=0` run on 2 cores (about 750 s in all). With -n,
-# pytest-xdist hands whole files to the workers in collection order (pytest.ini), so a long
-# file collected last would run alone at the end while the other workers sit idle.
-LONGEST_FIRST = ("test_fault_tolerance.py", "test_elastic.py", "test_slurm.py", "test_launch.py",
-                 "test_quickstart.py", "test_compile.py", "test_downstream.py", "test_shards.py",
-                 "test_node_local_disks.py", "test_convert.py", "test_scaling.py", "test_resilience.py",
-                 "test_bf16.py")
+# The files that take longest, longest first: 128, 122, 87, 57, 42, 41, 33, 25, 23, 21, 20 and 19 s of
+# their tests' time in one `-n 3 --durations=0` run on 2 cores (test_slurm.py, skipped there, took about 85
+# s before). With -n, pytest-xdist hands whole files to the workers in collection order (pytest.ini), so a
+# long file collected last would run alone at the end while the other workers sit idle.
+LONGEST_FIRST = ("test_quickstart.py", "test_fault_tolerance.py", "test_elastic.py", "test_slurm.py",
+                 "test_launch.py", "test_compile.py", "test_sft.py", "test_downstream.py", "test_node_local_disks.py",
+                 "test_convert.py", "test_clean_shutdown.py", "test_bad_input.py", "test_untrusted_input.py",
+                 "test_muon.py", "test_shards.py", "test_scaling.py")
 
 
 def pytest_collection_modifyitems(items):
