@@ -21,6 +21,7 @@ import json
 from dataclasses import dataclass
 
 from common.errors import DataError
+from dataset.lm_dataset import load_json_line
 
 ROLES = ("system", "user", "assistant", "tool")
 EXPECTED = '{"conversations": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}'
@@ -43,12 +44,7 @@ TOOLS_OUTRO = ("\n</tools>\n\nFor each function call, return a json object with 
 def parse_conversation(raw: bytes, where: str) -> list[dict]:
     """The turns of one JSONL line, each {"role", "content"} and, where given, "reasoning_content",
     "tool_calls" and "tools" (lists, parsed from their JSON strings); or a DataError naming `where`."""
-    try:
-        obj = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise DataError(f"{where}: not valid UTF-8; re-save the file as UTF-8") from None
-    except json.JSONDecodeError as e:
-        raise DataError(f"{where}: not valid JSON ({e.msg}); each line must be like {EXPECTED}") from None
+    obj = load_json_line(raw, where, f"each line must be like {EXPECTED}")
     turns = obj.get("conversations") if isinstance(obj, dict) else None
     if not isinstance(turns, list) or not turns:
         found = f"keys: {', '.join(map(json.dumps, list(obj)[:5]))}" if isinstance(obj, dict) else "not an object"

@@ -85,6 +85,17 @@ def parse_line(raw, path, line_number):
     return text
 
 
+def load_json_line(raw: bytes, where: str, expected: str):
+    """The JSON value of one raw JSONL line (a leading byte-order mark allowed), or a DataError
+    naming `where` and ending with what the line should hold (`expected`)."""
+    try:
+        return json.loads(raw.decode("utf-8-sig"))
+    except UnicodeDecodeError:
+        raise DataError(f"{where}: not valid UTF-8; re-save the file as UTF-8") from None
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where}: not valid JSON ({e.msg}); {expected}") from None
+
+
 def _json_type(value):
     names = {dict: "object", list: "array", str: "string", bool: "boolean",
              int: "number", float: "number", type(None): "null"}

@@ -31,7 +31,6 @@ are summed (under FSDP every rank scores every item).
 
 Per item, choice_logprobs gives every choice's log-likelihood and judge its verdicts.
 """
-import json
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -41,7 +40,7 @@ import torch.nn.functional as F
 
 from common.errors import DataError
 from dataset.chat import generation_prompt
-from dataset.lm_dataset import iter_raw_lines
+from dataset.lm_dataset import iter_raw_lines, load_json_line
 from trainer.distributed import all_reduce_sum
 
 TARGET_DELIMITER = " "  # lm-eval's default, and what dataset/tasks/*.yaml use
@@ -79,12 +78,7 @@ def load_task(path, flag: str = "--eval_task") -> list[TaskItem]:
 
 def parse_item(raw: bytes, where: str) -> TaskItem:
     expected = 'expected {"context": str, "choices": [str, str, ...], "label": index of the gold choice}'
-    try:
-        obj = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise DataError(f"{where}: not valid UTF-8; re-save the file as UTF-8") from None
-    except json.JSONDecodeError as e:
-        raise DataError(f"{where}: not valid JSON ({e.msg}); {expected}") from None
+    obj = load_json_line(raw, where, expected)
     if not isinstance(obj, dict):
         raise DataError(f"{where}: not a JSON object; {expected}")
     for field in ("context", "choices", "label"):
