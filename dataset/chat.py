@@ -102,7 +102,10 @@ class Block:
 def render(turns: list[dict], keep_empty_think: bool = True) -> list[Block]:
     """The conversation as the chat template renders it, block by block. keep_empty_think=False
     leaves out an assistant block's empty <think> block (MiniMind's data drops it 80% of the time)."""
-    tools = ([t["tools"] for t in turns if t["role"] == "system" and "tools" in t] or [None])[-1]
+    tools = None
+    for turn in turns:  # as MiniMind's SFTDataset does: the last system turn's tools
+        if turn["role"] == "system" and "tools" in turn:
+            tools = turn["tools"]
     blocks = []
     first_is_system = turns[0]["role"] == "system"
     if tools or first_is_system:
@@ -119,12 +122,15 @@ def render(turns: list[dict], keep_empty_think: bool = True) -> list[Block]:
             body = _assistant_body(turn, keep_empty_think)
             start = len(ASSISTANT_HEADER)
             blocks.append(Block(f"{ASSISTANT_HEADER}{body}{END}\n", (start, start + len(body) + len(END))))
-        elif role == "tool":
-            opens = i == 0 or turns[i - 1]["role"] != "tool"
-            closes = i == len(turns) - 1 or turns[i + 1]["role"] != "tool"
-            text = f"\n<tool_response>\n{turn['content']}\n</tool_response>"
-            blocks.append(Block(f"{START + 'user' if opens else ''}{text}{END + chr(10) if closes else ''}"))
-    return _joined_tool_blocks(blocks)
+        elif role == "tool":  # consecutive tool results share one user block
+            piece = f"\n<tool_response>\n{turn['content']}\n</tool_response>"
+            if i == len(turns) - 1 or turns[i + 1]["role"] != "tool":
+                piece += f"{END}\n"
+            if i > 0 and turns[i - 1]["role"] == "tool":
+                blocks[-1] = Block(blocks[-1].text + piece)
+            else:
+                blocks.append(Block(f"{START}user{piece}"))
+    return blocks
 
 
 def _assistant_body(turn: dict, keep_empty_think: bool) -> str:
@@ -144,18 +150,6 @@ def _assistant_body(turn: dict, keep_empty_think: bool) -> str:
         separator = "\n" if n > 0 or content else ""
         body += f'{separator}<tool_call>\n{{"name": "{call.get("name", "")}", "arguments": {arguments}}}\n</tool_call>'
     return body
-
-
-def _joined_tool_blocks(blocks: list[Block]) -> list[Block]:
-    """Consecutive tool results render as one user block: join their pieces into it, so that every
-    block starts with <|im_start|> (a turn boundary the tokenizer never merges across)."""
-    joined = []
-    for block in blocks:
-        if joined and not block.text.startswith(START):
-            joined[-1] = Block(joined[-1].text + block.text)
-        else:
-            joined.append(block)
-    return joined
 
 
 def _json(value) -> str:
@@ -189,9 +183,18 @@ def encode(tokenizer, blocks: list[Block]) -> Encoded:
     """Tokenize the rendered conversation as ONE string (as the template's text is tokenized at
     inference; a block's text alone can tokenize differently at its edges) and mark each token
     whose text starts inside a trained span."""
-    text = "".join(block.text for block in blocks)
-    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    starts = [start for start, _ in encoding["offset_mapping"]]
+    return encode_many(tokenizer, [blocks])[0]
+
+
+def encode_many(tokenizer, conversations: list[list[Block]]) -> list[Encoded]:
+    """encode() of each conversation, tokenized in one batch (the fast tokenizer's threads)."""
+    texts = ["".join(block.text for block in blocks) for blocks in conversations]
+    batch = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+    return [_marked(blocks, ids, [start for start, _ in offsets])
+            for blocks, ids, offsets in zip(conversations, batch["input_ids"], batch["offset_mapping"])]
+
+
+def _marked(blocks: list[Block], ids: list[int], starts: list[int]) -> Encoded:
     spans, block_starts, offset = [], [], 0
     for block in blocks:
         block_starts.append(offset)
@@ -201,4 +204,4 @@ def encode(tokenizer, blocks: list[Block]) -> Encoded:
     trained = [any(a <= s < b for a, b in spans) for s in starts]
     # Every block starts with <|im_start|>, a special token: a token boundary.
     block_ends = [sum(1 for s in starts if s < end) for end in block_starts[1:] + [offset]]
-    return Encoded(list(encoding["input_ids"]), trained, block_ends)
+    return Encoded(list(ids), trained, block_ends)

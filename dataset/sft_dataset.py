@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import Dataset
 
 from common.errors import DataError
-from dataset.chat import Encoded, encode, parse_conversation, render
+from dataset.chat import Encoded, encode, encode_many, parse_conversation, render
 from dataset.lm_dataset import iter_raw_lines
 from dataset.packed_dataset import DTYPES, SFT_FORMAT, check_fits, check_token_ids, read_meta
 
@@ -38,6 +38,7 @@ SYSTEM_PROMPTS = (
     "You are an assistant that knows the Python standard library.",
 )
 BLOCK_COLUMNS = 4  # first token, conversation, loss start, loss end
+SIZING_BATCH = 1000  # conversations tokenized at once while a JSONL file is sized
 
 
 @dataclass(frozen=True)
@@ -69,19 +70,28 @@ class SFTDataset(Dataset):
                  flag: str = "--data_path"):
         self.path, self.tokenizer, self.max_length, self.options = str(path), tokenizer, max_length, options
         self.pad_id = tokenizer.pad_token_id
-        offsets, self.skipped, assistants = [], 0, 0
+        offsets, self.skipped, assistants, pending = [], 0, 0, []
         for line_number, offset, raw in iter_raw_lines(path, flag, NEEDS):
             turns = parse_conversation(raw, f"{path}:{line_number}")
             assistants += sum(turn["role"] == "assistant" for turn in turns)
-            if encode(tokenizer, render(turns)).cut(max_length) is None:
-                self.skipped += 1
-            else:
-                offsets.append((offset, line_number))
+            pending.append((offset, line_number, render(turns)))
+            if len(pending) == SIZING_BATCH:
+                offsets += self._fitting(pending)
+                pending = []
+        offsets += self._fitting(pending)
         if not assistants:
             raise DataError(f"{path}: no assistant turn in any of its conversations: fine-tuning trains on the "
                             f"assistant's replies; pass {flag} conversations that have them")
         self.offsets = np.array(offsets, dtype=np.int64).reshape(-1, 2)
         self._file, self._file_pid = None, None
+
+    def _fitting(self, pending) -> list[tuple[int, int]]:
+        """(offset, line number) of the pending conversations that keep a trained token within
+        max_length; the others are counted in `skipped`."""
+        encoded = encode_many(self.tokenizer, [blocks for _, _, blocks in pending])
+        fitting = [(offset, line) for (offset, line, _), e in zip(pending, encoded) if e.cut(self.max_length)]
+        self.skipped += len(pending) - len(fitting)
+        return fitting
 
     def __len__(self):
         return len(self.offsets)

@@ -34,7 +34,7 @@ import numpy as np
 from tqdm import tqdm
 
 from common.errors import DataError, report_user_errors
-from dataset.chat import encode, parse_conversation, render
+from dataset.chat import encode_many, parse_conversation, render
 from dataset.lm_dataset import iter_raw_lines, load_tokenizer
 from dataset.packed_dataset import DTYPES, dtype_for_vocab
 from dataset.sft_dataset import NEEDS as CONVERSATION_LINES
@@ -80,8 +80,8 @@ def encode_conversations(task):
     """task = (path, [(line number, raw line), ...]) -> each conversation's Encoded (dataset/chat.py),
     rendered as the chat template renders it, with no augmentation and uncut."""
     path, lines = task
-    return [encode(_worker["tokenizer"], render(parse_conversation(raw, f"{path}:{line_number}")))
-            for line_number, raw in lines]
+    return encode_many(_worker["tokenizer"], [render(parse_conversation(raw, f"{path}:{line_number}"))
+                                              for line_number, raw in lines])
 
 
 # -----------------------------------------------------------------------------

@@ -59,7 +59,7 @@ class Stage:
     chat: bool = False  # the model it trains answers in turns: --eval_task asks it so (trainer/downstream.py)
 
 
-def train(args, env, stage: "Stage") -> int:
+def train(args, env, stage: Stage) -> int:
     # ------------------------------------------------------------------ 1. output folders, tokenizer, model config, data
     world_size, rank = env.world_size, env.rank
     check_output_dirs(args.save_dir, args.checkpoint_dir, is_sharded(args, env))
@@ -193,7 +193,7 @@ def check_model_fits(args, tokenizer, config):
                         f"{config.max_position_embeddings}")
 
 
-def ensure_data(args, local_rank: int, stage: "Stage"):
+def ensure_data(args, local_rank: int, stage: Stage):
     """The stage's demo data is built on first use. Nodes may each have their own disk, so
     the first process of every node builds its node's copy (the write is atomic, so
     nodes sharing a disk merely race to write the same bytes). Every rank waits in the
