@@ -51,7 +51,7 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from dataset.demo_corpus import DEMO_CORPUS  # noqa: E402
+from dataset.demo_corpus import DEMO_CORPUS, ensure_demo_corpus  # noqa: E402
 from dataset.lm_dataset import load_tokenizer  # noqa: E402
 from model.weights import load_model  # noqa: E402
 from scripts.build_eval_task import main as build_task, task_misfit  # noqa: E402
@@ -67,7 +67,8 @@ DEFAULT_TASK = REPO_ROOT / "dataset" / "tasks" / "minimind_heldout.jsonl"  # cut
 # (ours is 0.9,0.95). --val_fraction 0 changes nothing here, since every variant validates on
 # --val_data_path, which wins over it (trainer/data.py): it is kept for the line to be exact.
 MINIMIND_RECIPE = ["--optimizer", "adamw", "--param_groups", "single", "--learning_rate", "5e-4", "--warmup_steps",
-                   "0", "--adam_betas", "0.9,0.999", "--val_fraction", "0", "--dtype", "float32"]
+                   "0", "--lr_schedule", "cosine", "--adam_betas", "0.9,0.999", "--val_fraction", "0",
+                   "--dtype", "float32"]
 
 VARIANTS = {
     "a_minimind": ("jsonl", MINIMIND_RECIPE),  # on padded JSONL, as MiniMind trains
@@ -108,6 +109,8 @@ def parse_args(argv=None):
     unknown = set(args.variants.split(",")) - set(VARIANTS)
     if unknown:
         p.error(f"--variants: unknown {sorted(unknown)}; choose from {','.join(VARIANTS)}")
+    if Path(args.corpus).resolve() != DEMO_CORPUS.resolve() and not Path(args.corpus).is_file():
+        p.error(f"--corpus {args.corpus}: not found; pass an existing .jsonl file (the default builds the demo's)")
     if "a_minimind" not in args.variants.split(","):
         p.error("--variants must include a_minimind: it is the reference")
     for extra in args.variant:
@@ -144,6 +147,8 @@ def prepare_data(corpus: Path, data: Path) -> Path:
     if (data / "val.bin").exists():
         return data
     data.mkdir(parents=True, exist_ok=True)
+    if corpus.resolve() == DEMO_CORPUS.resolve():
+        ensure_demo_corpus(corpus)  # built once from the standard library, as the trainer does
     py = sys.executable
     run = dict(check=True, cwd=REPO_ROOT, env=dict(os.environ, TQDM_DISABLE="1"))
     subprocess.run([py, "scripts/split_corpus.py", "--data_path", str(corpus), "--every", "25",

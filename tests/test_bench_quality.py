@@ -33,7 +33,8 @@ def test_a_minimind_is_the_readmes_recipe_line_on_padded_jsonl():
     assert kind == "jsonl"  # MiniMind's padded path
     assert flags == recipe
     parsed = trainer_args(["--data_path", "x.jsonl", *flags])  # and the trainer reads it as MiniMind's AdamW
-    assert (parsed.optimizer, parsed.param_groups, parsed.adam_betas) == ("adamw", "single", (0.9, 0.999))
+    assert (parsed.optimizer, parsed.param_groups, parsed.adam_betas, parsed.lr_schedule) == \
+        ("adamw", "single", (0.9, 0.999), "cosine")
 
 
 @pytest.mark.parametrize("bad", ["no_equals", "=--seed 1", "b_defaults=--seed 1", "a/b=--seed 1"])
@@ -43,6 +44,25 @@ def test_a_malformed_variant_is_one_line_naming_it(bad, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip()
     assert repr(bad) in err and "Traceback" not in err and len(err.splitlines()) == 1, err
+
+
+def test_a_missing_corpus_is_one_line_and_the_missing_demo_corpus_is_built(tmp_path, monkeypatch, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--corpus", str(tmp_path / "nowhere.jsonl")])
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and "--corpus" in err and "nowhere.jsonl: not found" in err
+    assert len(err.splitlines()) == 1, err
+    from scripts import bench_quality
+    from tests import helpers_data
+
+    demo = tmp_path / "demo.jsonl"  # the default corpus, not built yet: built as the trainer builds it
+    docs = [f"document {d}: " + " ".join(f"w{(d * 7 + k) % 50}" for k in range(80)) for d in range(50)]
+    built = []
+    monkeypatch.setattr(bench_quality, "DEMO_CORPUS", demo)
+    monkeypatch.setattr(bench_quality, "ensure_demo_corpus",
+                        lambda path: built.append(path) or helpers_data.write_jsonl(path, docs))
+    data = bench_quality.prepare_data(demo, tmp_path / "data")
+    assert built == [demo] and (data / "val.bin").stat().st_size > 0
 
 
 CURVE = [{"step": 10, "train_s": 5.0, "val_loss": 6.0, "val_bpb": 2.0},

@@ -93,13 +93,15 @@ def test_wsd_and_cosine_hand_computed():
     assert [short.lr("decay", step, 10) for step in (4, 5, 7)] == pytest.approx([1.0, 1.0, 1 - 0.9 * 2 / 5])
 
 
-def test_the_default_schedule_is_minimind_get_lr():
-    """--min_lr_frac 0.1 is get_lr's own floor: the default schedule is get_lr's to the bit."""
+def test_the_cosine_schedule_is_minimind_get_lr():
+    """--min_lr_frac 0.1 is get_lr's own floor: --lr_schedule cosine, at the other defaults, is
+    get_lr's to the bit."""
     from trainer.args import parse_args
     from trainer.optim import get_lr
     from trainer.settings import RunSettings
 
-    cfg = OptimConfig.from_args(parse_args([]), RunSettings("float32", "muon", False), torch.device("cpu"), 512)
+    cfg = OptimConfig.from_args(parse_args(["--lr_schedule", "cosine"]), RunSettings("float32", "muon", False, "cosine"),
+                                torch.device("cpu"), 512)
     schedule = Schedule.of(cfg)
     assert (schedule.kind, schedule.min_lr_frac, schedule.momentum_warmup) == ("cosine", 0.1, 0)
     for step in (0, 5, 10, 37, 99, 100):

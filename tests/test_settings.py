@@ -180,3 +180,61 @@ def test_a_resume_with_fewer_tokens_per_step_keeps_muon(tmp_path):
     older = run_trainer([*base, "--from_resume", "1", "--optimizer", "adamw"], tmp_path / "older")
     assert older.returncode == 2 and "Traceback" not in older.stdout, older.stdout[-3000:]
     assert "its optimizer state has no 'param_groups.0.momentum' for this run's optimizer" in older.stdout
+
+
+@pytest.mark.parametrize("name, flag, optimizer, resumed, expected", [
+    ("lr_schedule", "auto", "muon", None, "wsd"),  # a new run: what the seed study chose
+    ("normuon", "auto", "muon", None, 1),
+    ("normuon", "auto", "adamw", None, 0),  # NorMuon is Muon's
+    ("lr_schedule", "auto", "adamw", None, "wsd"),
+    ("lr_schedule", "cosine", "muon", None, "cosine"),
+    ("lr_schedule", "auto", "muon", {"lr_schedule": "cosine"}, "cosine"),  # a resume trains on as it started
+    ("normuon", "auto", "muon", {"normuon": 0}, 0),
+    ("lr_schedule", "auto", "muon", {"optimizer": "muon"}, "cosine"),  # a record from before: the default then
+    ("normuon", "auto", "muon", {"optimizer": "muon"}, 0),
+    ("lr_schedule", "wsd", "muon", {"optimizer": "muon"}, "wsd"),  # the user knows better than an old record
+])
+def test_resolve_recipe(name, flag, optimizer, resumed, expected):
+    assert settings.resolve_recipe(name, flag, optimizer, resumed)[0] == expected
+
+
+def test_resolve_recipe_stops_where_the_checkpoint_says_otherwise():
+    with pytest.raises(UserError, match=r"^--normuon 1: the checkpoint this run resumes trained with --normuon 0; "):
+        settings.resolve_recipe("normuon", 1, "muon", {"normuon": 0})
+    with pytest.raises(UserError, match=r"^--lr_schedule cosine: the checkpoint this run resumes trained with "
+                                        r"--lr_schedule wsd"):
+        settings.resolve_recipe("lr_schedule", "cosine", "muon", {"lr_schedule": "wsd"})
+
+
+def test_a_run_started_on_other_defaults_resumes_as_it_started(tmp_path):
+    """A run started with the cosine and plain Muon (the defaults before wsd and NorMuon, or chosen)
+    resumes under the new defaults (auto) on its own schedule and optimizer: bitwise the run it
+    would have been uninterrupted. A flag that contradicts the checkpoint stops in one line, and a
+    record that predates naming them is taken at the old defaults, said in the log."""
+    import json
+
+    from tests.jobs import run_trainer
+    from tests.run_outputs import latest_checkpoint, out_args
+    from tests.tiny import TINY, ensure_demo_corpus
+
+    ensure_demo_corpus()
+    base = [*TINY, "--save_interval", "3", "--max_steps", "6", "--dtype", "float32"]
+    old = ["--lr_schedule", "cosine", "--normuon", "0"]
+    whole = run_trainer([*base, *old, *out_args(tmp_path / "whole")], tmp_path / "whole")
+    first = run_trainer([*base, *old, "--max_steps", "3", *out_args(tmp_path / "cut")], tmp_path / "cut")
+    assert whole.returncode == 0 and first.returncode == 0, first.stdout[-3000:]
+    again = [*base, *out_args(tmp_path / "cut"), "--from_resume", "1"]
+    clash = run_trainer([*again, "--normuon", "1"], tmp_path / "cut")
+    assert clash.returncode == 2 and "Traceback" not in clash.stdout
+    assert "error: --normuon 1: the checkpoint this run resumes trained with --normuon 0" in clash.stdout
+    for record in (tmp_path / "cut" / "ckpt").glob("*.json"):  # as written before the record named them
+        kept = {k: v for k, v in json.loads(record.read_text()).items() if k not in ("lr_schedule", "normuon")}
+        record.write_text(json.dumps(kept))
+    resumed = run_trainer(again, tmp_path / "cut")
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert "lr_schedule: cosine (auto: the checkpoint it resumes predates recording it" in resumed.stdout
+    assert "normuon: 0 (auto: the checkpoint it resumes predates recording it" in resumed.stdout
+    whole_model, cut_model = (latest_checkpoint(tmp_path / name)["model"] for name in ("whole", "cut"))
+    assert latest_checkpoint(tmp_path / "cut")["global_step"] == 6
+    for key, value in whole_model.items():
+        assert torch.equal(value, cut_model[key]), key

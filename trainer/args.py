@@ -61,10 +61,11 @@ def _optimisation_flags(p):
     opt.add_argument("--learning_rate", type=float, default=3e-3, help="AdamW's peak lr (MiniMind: 5e-4)")
     opt.add_argument("--warmup_steps", type=int, default=10,
                      help="linear warmup to each group's peak, then --lr_schedule (MiniMind: 0)")
-    opt.add_argument("--lr_schedule", default="cosine", choices=["cosine", "wsd"],
+    opt.add_argument("--lr_schedule", default="auto", choices=["auto", "cosine", "wsd"],
                      help="after the warmup: cosine decay to the floor at the last step (MiniMind's); wsd: "
                           "warmup-stable-decay, the peak until the last --cooldown_frac of the run, then linear "
-                          "to the floor")
+                          "to the floor; auto: wsd for a new run (docs/time-to-quality.md), a resume keeps its "
+                          "checkpoint's")
     opt.add_argument("--cooldown_frac", type=float, default=0.2,
                      help="wsd: the share of the run its linear cooldown to the floor takes")
     opt.add_argument("--min_lr_frac", type=float, default=0.1,
@@ -83,9 +84,10 @@ def _optimisation_flags(p):
                      help="Muon's Newton-Schulz coefficients: quintic (Keller Jordan's, one tuple five times) or "
                           "polar_express (Amsel et al., 2025: one tuple per iteration, closer to orthogonal; "
                           "trainer/newton_schulz.py)")
-    opt.add_argument("--normuon", type=int, default=0, choices=[0, 1],
+    opt.add_argument("--normuon", type=auto_or_int, default="auto", choices=["auto", 0, 1],
                      help="1: NorMuon, each row of Muon's update divided by the root of its running mean square, "
-                          "then rescaled to the update's norm (trainer/muon.py)")
+                          "then rescaled to the update's norm (trainer/muon.py); auto: 1 for a new run with Muon "
+                          "(docs/time-to-quality.md), a resume keeps its checkpoint's")
     opt.add_argument("--normuon_beta2", type=float, default=0.95,
                      help="NorMuon: the decay of each row's running mean square")
     opt.add_argument("--cautious_wd", default="none", choices=["none", "muon", "adamw", "both"],
@@ -173,6 +175,16 @@ def adam_betas(text: str) -> tuple[float, float]:
     if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
         raise argparse.ArgumentTypeError(f"expected two numbers in [0, 1) as B1,B2 (e.g. 0.9,0.95), got {text!r}")
     return betas
+
+
+def auto_or_int(text: str):
+    """argparse type of a flag that is "auto" or a number (--normuon)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto or a number, got {text!r}") from None
 
 
 # Model flags that the config stored beside --from_weight decides when they are not typed.

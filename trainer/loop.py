@@ -79,7 +79,7 @@ def train(args, env, stage: Stage) -> int:
     resuming = {}
     if args.from_resume:  # the same flag on every rank: all of them join newest_record()'s broadcast, or none does
         resuming = newest_record(args.checkpoint_dir, prefix)
-    settings = resolve_settings(args, env, config, plan.samples_per_step * args.max_seq_len, resuming.get("optimizer"))
+    settings = resolve_settings(args, env, config, plan.samples_per_step * args.max_seq_len, resuming)
     configure_cuda(env.device, settings.torch_dtype)
     autocast = settings.autocast(env.device)
 
@@ -93,7 +93,7 @@ def train(args, env, stage: Stage) -> int:
     checkpoints = CheckpointManager(args.checkpoint_dir, prefix, config.to_dict(), ModelState(model, optimizer),
                                     {"train_state": state, "scaler": ScalerState(parts.scaler), "rng": RNGState()},
                                     args.keep_last, settings.sharded, weights_path(args.save_dir, prefix),
-                                    run_record={"optimizer": settings.optimizer})
+                                    run_record=settings.record)
     saved = None
     if args.from_resume:  # the same flag on every rank: all of them join resume()'s broadcasts, or none does
         saved = checkpoints.resume()

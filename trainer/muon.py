@@ -7,7 +7,8 @@ The update of each matrix W with gradient G is torch.optim.Muon's:
     O <- NewtonSchulz5(U / |U|)                    close to the nearest orthogonal matrix
     W <- W * (1 - lr * weight_decay) - lr * sqrt(max(1, rows / cols)) * O
 
-Three options change it, each off by default (the update is then exactly the above):
+Three options change it, each off here (the update is then exactly the above; the trainer's
+--normuon is on for a new run, docs/time-to-quality.md):
   * ns_method "polar_express": Polar Express's five coefficient tuples in Newton-Schulz in
     place of the one quintic (trainer/newton_schulz.py).
   * normuon: NorMuon (Li et al., 2025). O's rows (output neurons) still differ in size;

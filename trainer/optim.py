@@ -31,7 +31,7 @@ class OptimConfig:
     ns_dtype: str = "float32"       # Muon's Newton-Schulz: the run's precision (bfloat16 under bf16 autocast)
     compile_ns: bool = False        # compile Muon's Newton-Schulz (CUDA)
     fused: bool = True              # fused AdamW (CPU and CUDA); off for the exact-reference tests
-    # Options, each off by default (the schedule: MiniMind's cosine); docs/flags.md says what each does.
+    # Options, each off here (the schedule: MiniMind's cosine); the flags' defaults: trainer/args.py.
     muon_ns: str = "quintic"        # quintic | polar_express (trainer/newton_schulz.py)
     normuon: bool = False
     normuon_beta2: float = 0.95
@@ -52,9 +52,9 @@ class OptimConfig:
                    weight_decay=args.weight_decay, betas=args.adam_betas, muon_lr=args.muon_lr,
                    muon_momentum=args.muon_momentum,
                    ns_dtype="bfloat16" if settings.dtype == "bfloat16" else "float32",
-                   compile_ns=device.type == "cuda", muon_ns=args.muon_ns, normuon=bool(args.normuon),
+                   compile_ns=device.type == "cuda", muon_ns=args.muon_ns, normuon=bool(settings.normuon),
                    normuon_beta2=args.normuon_beta2, cautious_wd=args.cautious_wd, warmup_steps=args.warmup_steps,
-                   lr_schedule=args.lr_schedule, cooldown_frac=args.cooldown_frac, min_lr_frac=args.min_lr_frac,
+                   lr_schedule=settings.lr_schedule, cooldown_frac=args.cooldown_frac, min_lr_frac=args.min_lr_frac,
                    muon_momentum_warmup=args.muon_momentum_warmup, lr_ref_width=args.lr_ref_width,
                    hidden_size=hidden_size)
 
@@ -169,8 +169,8 @@ def build_optimizer(model, cfg: OptimConfig, data_parallel_group=None) -> Optimi
 
 
 def describe(optimizer: Optimizers, cfg: OptimConfig) -> str:
-    """One line: each group's optimizer, size, peak lr and decay, then what is on of the
-    options that are off by default."""
+    """One line: each group's optimizer, size, peak lr and decay, then the options on beyond
+    plain Muon / AdamW and the cosine."""
     peaks, parts = peak_lrs(cfg), []
     for opt in optimizer:
         for g in opt.param_groups:
@@ -181,7 +181,7 @@ def describe(optimizer: Optimizers, cfg: OptimConfig) -> str:
 
 
 def _options_on(cfg: OptimConfig) -> list[str]:
-    """The options that are off by default and on in `cfg`, for the start-up line."""
+    """The options on in `cfg` beyond plain Muon / AdamW and the cosine, for the start-up line."""
     on = []
     if cfg.lr_ref_width:
         on.append(f"AdamW peaks x{adamw_width_scale(cfg):.3f} = ({cfg.hidden_size} / {cfg.lr_ref_width}) ** -0.5 "

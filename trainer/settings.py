@@ -1,7 +1,8 @@
-"""What the flags leave to the machine, decided once at start-up: --dtype auto and
---optimizer auto become names, each with the reason it is logged with, and the run uses
-these instead of the flags. The hardware facts come in as arguments (resolve_*), or are
-read from this machine (detect_*), so the rules are tested for every machine on any one."""
+"""What the flags leave to the machine or to the checkpoint, decided once at start-up:
+--dtype, --optimizer, --lr_schedule and --normuon at auto become values, each with the
+reason it is logged with, and the run uses these instead of the flags. The hardware facts
+come in as arguments (resolve_*), or are read from this machine (detect_*), so the rules
+are tested for every machine on any one."""
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
@@ -84,6 +85,36 @@ def resolve_optimizer(flag: str, device_type: str, dtype: str, cpu_flags=frozens
                     f"FLOPs, within the {allowed:.0%} it may")
 
 
+# The schedule and NorMuon under "auto": (a new run's, a checkpoint's that does not record it). A new
+# run takes what beat the cosine and plain Muon over 3 seeds (docs/time-to-quality.md); a checkpoint
+# written before the record named them trained with those older defaults.
+RECIPE_AUTO = {"lr_schedule": ("wsd", "cosine"), "normuon": (1, 0)}
+
+
+def resolve_recipe(name: str, flag, optimizer: str, resumed: dict | None = None) -> tuple:
+    """(value, why) of --lr_schedule or --normuon (`name`) at `flag`, once the optimizer is known.
+
+    auto: a new run's value from RECIPE_AUTO; a resume keeps its checkpoint's (resumed: that
+    checkpoint's record), so that a run trains on as it started, whatever this version's
+    defaults are. An explicit value the checkpoint contradicts stops the run: its schedule or
+    its optimizer state would change mid-run. NorMuon is Muon's: off under AdamW.
+    """
+    if name == "normuon" and optimizer != "muon":
+        return 0, f"--optimizer {optimizer}: NorMuon is Muon's"
+    fresh, unrecorded = RECIPE_AUTO[name]
+    if resumed and name in resumed and flag not in ("auto", resumed[name]):
+        raise UserError(f"--{name} {flag}: the checkpoint this run resumes trained with --{name} {resumed[name]}; "
+                        f"pass that (or auto), or start anew")
+    if flag != "auto":
+        return flag, f"--{name}"
+    if not resumed:
+        return fresh, "auto: a new run's default (docs/time-to-quality.md)"
+    if name in resumed:
+        return resumed[name], "auto: the checkpoint's it resumes"
+    return unrecorded, (f"auto: the checkpoint it resumes predates recording it, so its default then; "
+                        f"pass --{name} {fresh} if the run started with that")
+
+
 def muon_flop_share(config, tokens_per_step: int, seq_len: int) -> float:
     """Newton-Schulz FLOPs of one Muon step over the forward and backward FLOPs of the optimizer
     step (tokens_per_step tokens in all ranks' micro-batches). Muon's work is split across the
@@ -117,6 +148,8 @@ class RunSettings:
     dtype: str  # float32 | bfloat16 | float16
     optimizer: str  # adamw | muon
     sharded: bool  # FSDP over several processes: sharded weights, optimizer state and checkpoints
+    lr_schedule: str = "cosine"  # cosine | wsd
+    normuon: int = 0  # 1: NorMuon (Muon only)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -129,10 +162,14 @@ class RunSettings:
 
     def as_flags(self, args, accumulation_steps: int) -> dict:
         """The flags with what the run resolved in place of auto and of the derived values
-        (what wandb records): the dtype, the optimizer and, under --global_batch_size, the
-        accumulation steps it implies."""
-        return {**vars(args), "dtype": self.dtype, "optimizer": self.optimizer,
-                "accumulation_steps": accumulation_steps}
+        (what wandb records): the dtype, the optimizer, its schedule and NorMuon and, under
+        --global_batch_size, the accumulation steps it implies."""
+        return {**vars(args), **self.record, "dtype": self.dtype, "accumulation_steps": accumulation_steps}
+
+    @property
+    def record(self) -> dict:
+        """What each checkpoint's record names, so that a resume under "auto" trains on as it started."""
+        return {"optimizer": self.optimizer, "lr_schedule": self.lr_schedule, "normuon": self.normuon}
 
 
 def is_sharded(args, env) -> bool:
@@ -140,13 +177,19 @@ def is_sharded(args, env) -> bool:
     return args.parallel == "fsdp" and env.distributed
 
 
-def resolve_settings(args, env, config, tokens_per_step: int, resumed_optimizer: str | None = None) -> RunSettings:
+def resolve_settings(args, env, config, tokens_per_step: int, resumed: dict | None = None) -> RunSettings:
     """The run's settings for the model `config` training on tokens_per_step tokens per optimizer
-    step; resumed_optimizer: the optimizer of the checkpoint it resumes, if that says."""
+    step; resumed: the record of the checkpoint it resumes ({} or None: a new run)."""
+    resumed = resumed or {}
     sharded = is_sharded(args, env)
     dtype, why = detect_dtype(args.dtype, env.device, sharded=sharded)
     Logger(f"dtype: {dtype} ({why})")
     share = muon_flop_share(config, tokens_per_step, args.max_seq_len) if args.optimizer == "auto" else 0.0
-    optimizer, why = detect_optimizer(args.optimizer, env.device, dtype, args.param_groups, share, resumed_optimizer)
+    optimizer, why = detect_optimizer(args.optimizer, env.device, dtype, args.param_groups, share,
+                                      resumed.get("optimizer"))
     Logger(f"optimizer: {optimizer} ({why})")
-    return RunSettings(dtype, optimizer, sharded)
+    recipe = {}
+    for name in RECIPE_AUTO:
+        recipe[name], why = resolve_recipe(name, getattr(args, name), optimizer, resumed)
+        Logger(f"{name}: {recipe[name]} ({why})")
+    return RunSettings(dtype, optimizer, sharded, **recipe)
