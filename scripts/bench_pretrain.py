@@ -67,6 +67,7 @@ VARIANTS = {
     "j": ("packed + compile + doc_mask", 1, DEMO_BIN, ["--use_compile", "1", "--doc_mask", "1"], {}),
     "k": ("packed, AdamW", 1, DEMO_BIN, ["--optimizer", "adamw"], {}),
     "m": ("packed, Muon", 1, DEMO_BIN, ["--optimizer", "muon"], {}),
+    "n": ("packed, Muon without NorMuon", 1, DEMO_BIN, ["--optimizer", "muon", "--normuon", "0"], {}),
 }
 
 

@@ -17,7 +17,8 @@ WHERE_THE_TRAINER_LOOKS = {"get_lr": optim, "lm_checkpoint": None}
 
 def test_every_entry_point_is_the_one_the_trainer_calls(tmp_path, monkeypatch):
     """Wrap each entry point where the trainer looks it up, train two steps, and see every
-    wrapper called: an entry point the trainer did not use (a stale copy) would fail here."""
+    wrapper called: an entry point the trainer did not use (a stale copy) would fail here.
+    get_lr is MiniMind's cosine, so the run takes --lr_schedule cosine (a new run's default is wsd)."""
     calls = {}
     for name in trainer_utils.__all__:
         owner = WHERE_THE_TRAINER_LOOKS.get(name, loop)
@@ -30,7 +31,7 @@ def test_every_entry_point_is_the_one_the_trainer_calls(tmp_path, monkeypatch):
             calls[_name] = calls.get(_name, 0) + 1
             return _function(*args, **kwargs)
         monkeypatch.setattr(owner, name, spy)
-    run = run_trainer([*TINY, *out_args(tmp_path), "--max_steps", "2"], tmp_path)
+    run = run_trainer([*TINY, *out_args(tmp_path), "--max_steps", "2", "--lr_schedule", "cosine"], tmp_path)
     assert run.returncode == 0, run.stdout[-3000:]
     expected = [n for n in trainer_utils.__all__ if WHERE_THE_TRAINER_LOOKS.get(n, loop) is not None]
     assert sorted(calls) == sorted(expected), f"never called by the trainer: {set(expected) - set(calls)}"

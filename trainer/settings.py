@@ -108,7 +108,7 @@ def resolve_recipe(name: str, flag, optimizer: str, resumed: dict | None = None)
     if flag != "auto":
         return flag, f"--{name}"
     if not resumed:
-        return fresh, "auto: a new run's default (docs/time-to-quality.md)"
+        return fresh, "auto: a new run's default, as docs/time-to-quality.md measured"
     if name in resumed:
         return resumed[name], "auto: the checkpoint's it resumes"
     return unrecorded, (f"auto: the checkpoint it resumes predates recording it, so its default then; "
