@@ -8,7 +8,7 @@
 Every variant steps the same matrices with the same fixed gradients. The table gives the
 median milliseconds per optimizer step; that time as a ratio to AdamW's step
 (torch.optim.AdamW, fused, as the trainer runs it; the optimizer step alone, where
---optimizer auto's 1.25x bound is on the whole training step, forward and backward included:
+--optimizer auto's 1.75x bound is on the whole training step, forward and backward included:
 scripts/bench_pretrain.py --variants mk); the speed-up over torch.optim.Muon; and the Newton-Schulz
 matmul FLOPs one rank runs per step (torch's FlopCounterMode, on an eager twin of the
 variant; AdamW runs none). torch.optim.Muon orthogonalises every matrix on every rank in
