@@ -73,9 +73,9 @@ def _optimisation_flags(p):
     opt.add_argument("--optimizer", default="auto", choices=["auto", "adamw", "muon"],
                      help="muon: Muon (trainer/muon.py) on the blocks' 2-D weights, AdamW on the embedding (= tied "
                           "head) and norms; adamw: AdamW on everything; auto: muon where its Newton-Schulz runs in a "
-                          "native precision (not fp16, not emulated bf16) and adds at most 75%% to a step's FLOPs, where it "
-                          "reached a loss sooner than AdamW (docs/performance.md), else adamw; said in one line at "
-                          "start-up")
+                          "native precision (not fp16, not emulated bf16) and adds at most 75%% to a step's FLOPs, "
+                          "where Muon still reached a loss sooner than AdamW (docs/performance.md), else adamw; "
+                          "said in one line at start-up")
     opt.add_argument("--muon_lr", type=float, default=0.02, help="Muon's peak lr (its schedule has the same shape)")
     opt.add_argument("--muon_momentum", type=float, default=0.95, help="Muon's momentum (Nesterov)")
     opt.add_argument("--muon_momentum_warmup", type=int, default=0,

@@ -55,7 +55,7 @@ def resolve_optimizer(flag: str, device_type: str, dtype: str, cpu_flags=frozens
     quality measured at 256 x 4 and 512 x 8 (Muon needs under half of AdamW's steps). That takes
     two things. Newton-Schulz must run in a precision the hardware does natively: fp32 runs
     on every CPU, bf16 runs on CPUs and GPUs with native bf16 (not fp16 runs, whose
-    Newton-Schulz would be fp32, nor emulated bf16). And it must add little work to the step:
+    Newton-Schulz would be fp32, nor emulated bf16). And its work must stay within the bound:
     `muon_share`, its FLOPs over the forward and backward FLOPs of the same optimizer step
     (muon_flop_share), at most 0.75. Measured in docs/performance.md, section "Muon": on CPU
     the step-time ratio follows muon_share in fp32 and stays below it in bf16.
