@@ -315,10 +315,14 @@ def test_nan_forever_aborts_after_max_bad_steps_and_keeps_good_checkpoints(runs)
 # ---------------------------------------------------------------------------- 7. a rank raises
 def test_a_rank_that_raises_ends_the_job_quickly_and_is_named(tmp_path):
     """Rank 1 raises before step 4 while rank 0 waits in that step's all-reduce: the job
-    must end at once, not after --dist_timeout (30 s here)."""
-    args = [*TINY, *out_args(tmp_path), "--max_steps", "50", "--save_interval", "1000", "--dist_timeout", "30"]
+    must end at once, not after --dist_timeout. Alone it ends in about 1.5 s; the generous
+    timeout keeps "at once" (under a third of it) apart from "after the timeout" on a
+    loaded CI machine, where the teardown can take several times as long."""
+    timeout_s = 120
+    args = [*TINY, *out_args(tmp_path), "--max_steps", "50", "--save_interval", "1000",
+            "--dist_timeout", str(timeout_s)]
     job = _start(args, tmp_path, env=fault("raise", at=3))
-    deadline, step3_at = time.monotonic() + 120, None
+    deadline, step3_at = time.monotonic() + timeout_s + 60, None
     while job.poll() is None and time.monotonic() < deadline:  # timestamp the last good step as it is logged
         if step3_at is None and re.search(r"^epoch \d+/\d+ step 3/", job.output(), re.M):
             step3_at = time.monotonic()
@@ -328,7 +332,7 @@ def test_a_rank_that_raises_ends_the_job_quickly_and_is_named(tmp_path):
     seconds = time.monotonic() - step3_at if step3_at else None
     out = job.output()
     assert job.returncode not in (0, -signal.SIGKILL, None), out[-3000:]
-    assert seconds is not None and seconds < 10, f"{seconds}s from the fault to the exit:\n{out[-3000:]}"
+    assert seconds is not None and seconds < timeout_s / 3, f"{seconds}s from the fault to the exit:\n{out[-3000:]}"
     assert "RuntimeError: [fault injection] rank 1 raises at step 3" in out
     root_cause = out[out.index("Root Cause"):]
     assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", root_cause), out[-3000:]
