@@ -42,6 +42,10 @@ def fault(kind, at=K, rank=1) -> dict:
 
 
 ckpt_steps = checkpoint_steps
+# A signalled run must have saved and exited before SLURM's KillWait (30 s by default) ends
+# in SIGKILL. Alone it takes 1 to 2 s; the bound is the real deadline, not a multiple of
+# this machine's speed, so a loaded CI machine cannot fail it by chance.
+SAVE_GRACE_S = 30
 
 
 def ckpt_at(run_dir, step) -> dict:
@@ -225,7 +229,7 @@ def test_single_process_exit_code_is_128_plus_signal(single_process_signalled, s
     """Without torchrun in between, the trainer's own exit code is visible."""
     run, rc, output, seconds = single_process_signalled[signame]
     assert rc == code, output[-3000:]
-    assert seconds < 10
+    assert seconds < SAVE_GRACE_S
     assert ckpt_steps(run) == [_saved_step(output)]
     assert "Traceback" not in output
 
@@ -250,7 +254,7 @@ def test_ctrl_c_to_the_whole_torchrun_process_group_saves(tmp_path):
                 pass
 
     rc, output, seconds = _signal_and_wait(job, ctrl_c_then_echo)
-    assert rc != 0 and seconds < 15, output[-3000:]
+    assert rc != 0 and seconds < SAVE_GRACE_S, output[-3000:]
     saved = _saved_step(output)
     assert saved >= seen and ckpt_steps(tmp_path) == [saved]
 
