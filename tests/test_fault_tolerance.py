@@ -42,6 +42,7 @@ def fault(kind, at=K, rank=1) -> dict:
 
 
 ckpt_steps = checkpoint_steps
+
 # A signalled run must have saved and exited before SLURM's KillWait (30 s by default) ends
 # in SIGKILL. Alone it takes 1 to 2 s; the bound is the real deadline, not a multiple of
 # this machine's speed, so a loaded CI machine cannot fail it by chance.
@@ -150,7 +151,7 @@ def _wait_for_step(job, run_dir, step, timeout=120) -> int:
     pytest.fail(f"no progress to step {step} within {timeout}s")
 
 
-def _signal_and_wait(job, send, timeout=30):
+def _signal_and_wait(job, send, timeout=SAVE_GRACE_S):
     """Deliver the signal, return (rc, output, seconds to exit)."""
     start = time.monotonic()
     send()
