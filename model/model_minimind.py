@@ -18,6 +18,7 @@ from transformers import initialization as hf_init
 # Package-relative, so the same file also works as trust_remote_code inside an
 # exported folder (scripts/convert_model.py --format minimind copies it there).
 from .generation import KVCacheGeneration
+from .loss import causal_lm_loss
 from .moe import MoEFeedForward
 
 
@@ -294,25 +295,6 @@ class MiniMindModel(nn.Module):
                 aux_losses.append(aux)
         aux_loss = torch.stack(aux_losses).sum() if aux_losses else x.new_zeros(())
         return self.norm(x), (presents if use_cache else None), aux_loss
-
-
-def causal_lm_loss(logits, labels=None, shift_labels=None, num_items_in_batch=None):
-    """Cross-entropy of next-token prediction, ignoring targets of -100.
-
-    `labels` are aligned with the inputs and shifted here (MiniMind's layout);
-    `shift_labels` are already shifted (the packed layout). By default the loss
-    is a mean over valid targets; with `num_items_in_batch` it is the sum divided
-    by that count, so accumulation and data parallelism can weight every token
-    of a global batch equally.
-    """
-    if shift_labels is None:
-        logits, shift_labels = logits[:, :-1], labels[:, 1:]
-    token_loss = F.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), shift_labels.reshape(-1), ignore_index=-100, reduction="sum"
-    )
-    if num_items_in_batch is None:
-        num_items_in_batch = (shift_labels != -100).sum().clamp(min=1)
-    return token_loss / num_items_in_batch
 
 
 @dataclass

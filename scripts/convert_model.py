@@ -44,7 +44,7 @@ from trainer.run_files import default_weight_path
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "added_tokens.json", "chat_template.jinja")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-REMOTE_CODE_FILES = ("model_minimind.py", "moe.py", "generation.py")
+REMOTE_CODE_FILES = ("model_minimind.py", "moe.py", "generation.py", "loss.py")
 
 
 class ExportError(RuntimeError):
@@ -74,7 +74,7 @@ def export_minimind(model, out_dir, tokenizer_path=None, dtype=torch.float32, at
     tokenizer_files = find_tokenizer_files(tokenizer_path)  # fail before writing anything
     rounded = _rounded_copy(model, dtype)
     # save_pretrained copies model_minimind.py and the modules it imports relatively
-    # (moe.py, generation.py) next to the weights, once the auto classes are registered.
+    # (moe.py, generation.py, loss.py) next to the weights, once the auto classes are registered.
     register_auto_classes()
     rounded.to(dtype).save_pretrained(out_dir)
     missing = [name for name in REMOTE_CODE_FILES if not (out_dir / name).is_file()]
