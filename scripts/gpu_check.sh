@@ -23,6 +23,8 @@
 #              profiler sees when SDPA chooses by itself;
 #   kernels    the --doc_mask kernels: scripts/bench_attention.py --device cuda (dense mask against
 #              FlexAttention, forward+backward, outputs and gradients compared);
+#   loss       the chunked cross-entropy against F.cross_entropy on upcast logits: scripts/bench_loss.py
+#              --device cuda at the 64M run's batch x seq (and 8 x 340);
 #   f g a      eager doc_mask (f), FSDP under torchrun on 1 GPU (g), padded JSONL (a).
 # It ends with a table (tokens/s, MFU and peak memory per variant, from the trainer's metrics) and
 # the ratios the targets are stated in: c/i >= 0.90 (Muon's cost), j/c >= 0.95 (the document
@@ -55,7 +57,7 @@ BATCH=${GPU_CHECK_BATCH:-32}
 STEPS=${GPU_CHECK_STEPS:-30}
 WARMUP=${GPU_CHECK_WARMUP:-10}
 BUDGET=${GPU_CHECK_BUDGET:-540}
-PLAN=${GPU_CHECK_PLAN:-b c i j d optimizer ddp flash kernels f g a}
+PLAN=${GPU_CHECK_PLAN:-b c i j d optimizer ddp flash kernels loss f g a}
 RESERVE=10                  # seconds kept for the final table (a Python without torch: about 1 s)
 KILL_AFTER=5                # timeout(1) sends SIGKILL this long after its SIGTERM
 # Seconds at the default budget of 540. The floors, with the caps of env, corpus and pack and
@@ -63,7 +65,7 @@ KILL_AFTER=5                # timeout(1) sends SIGKILL this long after its SIGTE
 # it runs to its limit, each part the ratios need gets at least its floor.
 # c and j compile the model (j with FlexAttention); i finds c's kernels in inductor's cache.
 declare -A CAP=([env]=20 [corpus]=60 [pack]=25 [b]=90 [c]=150 [i]=120 [j]=150 [d]=90 [optimizer]=90
-                [ddp]=60 [flash]=60 [kernels]=90 [f]=90 [g]=90 [a]=90)
+                [ddp]=60 [flash]=60 [kernels]=90 [loss]=30 [f]=90 [g]=90 [a]=90)
 declare -A FLOOR=([b]=50 [c]=90 [i]=60 [j]=90 [d]=50 [optimizer]=40)
 # bench_pretrain.py starts (imports) before its --timeout clock, and stops a timed-out trainer
 # with SIGTERM and up to 15 s of grace: its --timeout is a variant's limit less this margin.
@@ -225,12 +227,19 @@ doc_mask_kernels() {
         --seq_lens "$SEQ" --batch_size "$BATCH" --repeats 10
 }
 
+# ---------------------------------------------------------------- the loss's two implementations
+loss_kernels() {
+    limit_for loss
+    run loss_kernels "$LIMIT" "$PYTHON" scripts/bench_loss.py --device "$DEVICE" --tokens "2720,$((BATCH * SEQ))" --repeats 5
+}
+
 for step in $PLAN; do
     case $step in
         optimizer) optimizer_step ;;
         ddp) ddp_cost ;;
         flash) flash_kernel ;;
         kernels) doc_mask_kernels ;;
+        loss) loss_kernels ;;
         *) variant "$step" ;;
     esac
 done
@@ -242,7 +251,7 @@ run table "$RESERVE" "$PYTHON" - "$REPORT_DIR" $PLAN <<'EOF'
 import json, sys
 from pathlib import Path
 
-work, keys = Path(sys.argv[1]), [key for key in sys.argv[2:] if key not in ("kernels", "optimizer", "ddp", "flash")]
+work, keys = Path(sys.argv[1]), [key for key in sys.argv[2:] if key not in ("kernels", "optimizer", "ddp", "flash", "loss")]
 print(f"{'variant':<30}{'tokens/s':>12}{'s/step':>9}{'MFU':>8}{'peak mem':>14}")
 done = {}
 for key in keys:
