@@ -15,6 +15,12 @@ IGNORE_INDEX = -100
 CHUNK_ELEMENTS = 1 << 22  # logits upcast at a time: 16 MB of fp32
 
 
+def row_chunks(logits) -> list[slice]:
+    """The row ranges of `logits` upcast together, CHUNK_ELEMENTS at most (one row at least)."""
+    rows = max(1, CHUNK_ELEMENTS // logits.shape[1])
+    return [slice(start, start + rows) for start in range(0, logits.shape[0], rows)]
+
+
 class ChunkedCrossEntropy(torch.autograd.Function):
     """Sum over rows of -log softmax(logits[row])[target[row]], rows with target -100 left out.
 
@@ -22,14 +28,12 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets):
-        rows = max(1, CHUNK_ELEMENTS // logits.shape[1])
         work = torch.promote_types(logits.dtype, torch.float32)  # fp64 logits stay fp64
         valid = targets != IGNORE_INDEX
         picked = torch.where(valid, targets, 0).unsqueeze(1)
         lse = torch.empty(logits.shape[0], dtype=work, device=logits.device)
         total = torch.zeros((), dtype=work, device=logits.device)
-        for start in range(0, logits.shape[0], rows):
-            part = slice(start, start + rows)
+        for part in row_chunks(logits):
             chunk = logits[part].to(work)
             lse[part] = torch.logsumexp(chunk, dim=1)
             target_logit = chunk.gather(1, picked[part]).squeeze(1)
@@ -40,12 +44,10 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total):
         logits, picked, valid, lse = ctx.saved_tensors
-        rows = max(1, CHUNK_ELEMENTS // logits.shape[1])
         grad = torch.empty_like(logits)
         # A fill on the device, not a tensor copied from the host.
         minus_one = torch.full(picked.shape, -1.0, dtype=lse.dtype, device=logits.device)
-        for start in range(0, logits.shape[0], rows):
-            part = slice(start, start + rows)
+        for part in row_chunks(logits):
             probs = (logits[part].to(lse.dtype) - lse[part, None]).exp_()
             probs.scatter_add_(1, picked[part], minus_one[part])
             grad[part] = probs.mul_(valid[part, None] * grad_total)
