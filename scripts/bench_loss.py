@@ -51,7 +51,7 @@ def timed(loss_fn, logits, targets, device) -> tuple[float, torch.Tensor]:
 def main(argv=None):
     args = parse_args(argv)
     device = torch.device(args.device)
-    print(f"| tokens | dtype | F.cross_entropy(logits.float()), ms | chunked, ms | speed-up | max grad diff |")
+    print("| tokens | dtype | F.cross_entropy(logits.float()), ms | chunked, ms | speed-up | max grad diff |")
     print("|---|---|---|---|---|---|")
     for tokens in (int(t) for t in args.tokens.split(",")):
         for dtype in (torch.bfloat16, torch.float32):
