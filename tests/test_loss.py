@@ -5,18 +5,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import model.loss as loss_module
-from model.loss import ChunkedCrossEntropy, causal_lm_loss
+from model.loss import ChunkedCrossEntropy, causal_lm_loss, chunk_elements, row_chunks
 
 
-def test_loss_and_gradient_by_hand_one_row_per_chunk(monkeypatch):
-    monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", 3)  # 3 words: every row is its own chunk
+def test_loss_and_gradient_by_hand_one_row_per_chunk():
     logits = torch.tensor([[0.0, 0.0, math.log(2.0)],   # softmax (1/4, 1/4, 1/2), target 2
                            [5.0, -1.0, 2.0],             # target -100: no loss, no gradient
                            [math.log(3.0), 0.0, 0.0]],   # softmax (3/5, 1/5, 1/5), target 0
                           dtype=torch.float64, requires_grad=True)
     targets = torch.tensor([2, -100, 0])
-    total = ChunkedCrossEntropy.apply(logits, targets)
+    total = ChunkedCrossEntropy.apply(logits, targets, 3)  # 3 words a chunk: one row each
     # -log(1/2) - log(3/5)
     assert total.item() == pytest.approx(math.log(2.0) + math.log(5.0 / 3.0), abs=1e-12)
     (2.0 * total).backward()
@@ -27,8 +25,7 @@ def test_loss_and_gradient_by_hand_one_row_per_chunk(monkeypatch):
 
 
 @pytest.mark.parametrize("chunk_elements", [50, 7 * 50, 1 << 22])  # a row, a remainder chunk, one chunk
-def test_matches_f_cross_entropy_across_chunk_boundaries(monkeypatch, chunk_elements):
-    monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", chunk_elements)
+def test_matches_f_cross_entropy_across_chunk_boundaries(chunk_elements):
     torch.manual_seed(0)
     logits = (3 * torch.randn(37, 50)).requires_grad_()
     targets = torch.randint(0, 50, (37,))
@@ -36,7 +33,7 @@ def test_matches_f_cross_entropy_across_chunk_boundaries(monkeypatch, chunk_elem
     reference = logits.detach().clone().requires_grad_()
     expected = F.cross_entropy(reference, targets, ignore_index=-100, reduction="sum")
     expected.backward()
-    total = ChunkedCrossEntropy.apply(logits, targets)
+    total = ChunkedCrossEntropy.apply(logits, targets, chunk_elements)
     total.backward()
     torch.testing.assert_close(total, expected)
     torch.testing.assert_close(logits.grad, reference.grad)
@@ -66,3 +63,12 @@ def test_minimind_labels_pad_the_last_target_instead_of_slicing_the_logits():
     labels[1, 4:] = -100
     sliced = F.cross_entropy(logits[:, :-1].reshape(-1, 20), labels[:, 1:].reshape(-1), ignore_index=-100)
     torch.testing.assert_close(causal_lm_loss(logits, labels), sliced)
+
+
+def test_a_cpu_takes_cache_sized_chunks_and_a_gpu_fewer_larger_ones():
+    # 2,720 tokens of MiniMind's 6,400 words: 40-row chunks (1 MB of fp32) on a CPU, 655-row (16 MB) elsewhere.
+    logits = torch.empty(2720, 6400, device="meta")
+    cpu = row_chunks(logits, chunk_elements(torch.device("cpu")))
+    gpu = row_chunks(logits, chunk_elements(torch.device("cuda")))
+    assert [len(cpu), cpu[0]] == [68, slice(0, 40)] and [len(gpu), gpu[0]] == [5, slice(0, 655)]
+    assert cpu[-1].stop >= 2720 and gpu[-1].stop >= 2720
