@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import Dataset
 
 from common.errors import DataError
+from common.labels import IGNORE_INDEX
 
 EXPECTED = 'each line must be a JSON object like {"text": "..."}'
 NEEDS_TEXT = 'a .jsonl file with one {"text": "..."} object per line'
@@ -172,7 +173,7 @@ class PretrainDataset(Dataset):
         input_ids[:n] = torch.tensor(ids, dtype=torch.long)
         labels = input_ids.clone()
         # mask by position, not by value, so a real token that happens to equal pad still counts
-        labels[n:] = -100
+        labels[n:] = IGNORE_INDEX
         return input_ids, labels
 
     def _read_line(self, index):
@@ -207,7 +208,7 @@ class NextTokenTargets(Dataset):
 
     def __getitem__(self, index):
         input_ids, labels = self.dataset[index]
-        return input_ids, torch.cat([labels[1:], labels.new_full((1,), -100)])
+        return input_ids, torch.cat([labels[1:], labels.new_full((1,), IGNORE_INDEX)])
 
 
 def _special_ids(tokenizer):

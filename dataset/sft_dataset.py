@@ -25,6 +25,7 @@ import torch
 from torch.utils.data import Dataset
 
 from common.errors import DataError
+from common.labels import IGNORE_INDEX
 from dataset.chat import Encoded, encode, encode_many, parse_conversation, render
 from dataset.lm_dataset import iter_raw_lines
 from dataset.packed_dataset import DTYPES, SFT_FORMAT, check_fits, check_token_ids, read_meta
@@ -55,9 +56,9 @@ def sample_of(encoded: Encoded, max_length: int, pad_id: int):
     n = len(encoded.ids)
     ids = torch.full((max_length,), pad_id, dtype=torch.long)
     ids[:n] = torch.tensor(encoded.ids, dtype=torch.long)
-    targets = torch.full((max_length,), -100, dtype=torch.long)
+    targets = torch.full((max_length,), IGNORE_INDEX, dtype=torch.long)
     trained = torch.tensor(encoded.trained[1:], dtype=torch.bool)
-    targets[:n - 1] = torch.where(trained, ids[1:n], -100)
+    targets[:n - 1] = torch.where(trained, ids[1:n], IGNORE_INDEX)
     return ids, targets
 
 
@@ -186,7 +187,7 @@ class PackedSFTDataset(Dataset):
         if at < self.max_length:
             starts[at] = True  # the padding is a document of its own
         # A conversation's first token is never trained, so no target crosses into the next one.
-        targets = torch.where(trained[1:], torch.cat([ids[1:], ids.new_full((1,), self.pad_id)]), -100)
+        targets = torch.where(trained[1:], torch.cat([ids[1:], ids.new_full((1,), self.pad_id)]), IGNORE_INDEX)
         return ids, targets, starts
 
     def _spans(self, start: int, cut: int):

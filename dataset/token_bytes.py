@@ -14,6 +14,8 @@ import math
 
 import torch
 
+from common.labels import IGNORE_INDEX
+
 
 def _byte_alphabet() -> dict:
     """Byte-level BPE writes each byte as one printable character: bytes that print as
@@ -46,7 +48,7 @@ def token_byte_lengths(tokenizer, vocab_size: int) -> torch.Tensor:
 
 def target_bytes(targets: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Bytes spelled by the scored targets (-100 is not scored)."""
-    scored = targets != -100
+    scored = targets != IGNORE_INDEX
     return (lengths.to(targets.device)[targets.clamp(min=0)] * scored).sum()
 
 

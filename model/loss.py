@@ -11,6 +11,7 @@ once to the logits' dtype).
 """
 import torch
 
+# common.labels's value, restated: this file travels alone in a Hugging Face export's remote code.
 IGNORE_INDEX = -100
 
 

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from common.labels import IGNORE_INDEX  # noqa: E402
 from model.loss import ChunkedCrossEntropy, chunk_elements  # noqa: E402
 from trainer.cli import OneLineArgumentParser  # noqa: E402
 
@@ -37,7 +38,7 @@ def parse_args(argv=None):
 
 
 def upcast_cross_entropy(logits, targets):
-    return F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="sum")
+    return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def timed(loss_fn, logits, targets, device) -> tuple[float, torch.Tensor]:

@@ -34,6 +34,7 @@ sys.path.insert(0, str(REPO_ROOT))
 import torch
 
 from common.errors import WeightsError, report_user_errors
+from common.labels import IGNORE_INDEX
 from dataset.chat import generation_prompt
 from dataset.lm_dataset import frame_document, iter_jsonl_texts, iter_raw_lines, load_tokenizer
 from dataset.token_bytes import bits_per_byte, target_bytes, token_byte_lengths
@@ -140,14 +141,14 @@ def perplexity(model, tokenizer, path, max_docs=None, max_seq_len=512, batch_siz
 def _add_batch(model, batch, pad, device, byte_lengths, docs, tokens, total_loss, n_bytes):
     width = max(len(ids) for ids in batch)
     input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
-    targets = torch.full((len(batch), width), -100, dtype=torch.long)
+    targets = torch.full((len(batch), width), IGNORE_INDEX, dtype=torch.long)
     for row, ids in enumerate(batch):
         input_ids[row, : len(ids)] = torch.tensor(ids)
         targets[row, : len(ids) - 1] = torch.tensor(ids[1:])
     # shift_labels are already aligned with the logits; num_items_in_batch=1 turns the
     # model's mean into a sum, so batches of any size add up exactly.
     out = model(input_ids.to(device), shift_labels=targets.to(device), num_items_in_batch=1)
-    return (docs + len(batch), tokens + int((targets != -100).sum()), total_loss + out.loss.item(),
+    return (docs + len(batch), tokens + int((targets != IGNORE_INDEX).sum()), total_loss + out.loss.item(),
             n_bytes + int(target_bytes(targets, byte_lengths)))
 
 
@@ -164,7 +165,7 @@ def conversation_loss(model, tokenizer, path, max_seq_len=512, batch_size=8):
     device = next(model.parameters()).device
     batches = list(DataLoader(data, batch_size=batch_size))
     loss, bpb = evaluate(model, batches, nullcontext(), device, token_byte_lengths(tokenizer, model.config.vocab_size))
-    return len(data), sum(int((targets != -100).sum()) for _, targets in batches), loss, bpb
+    return len(data), sum(int((targets != IGNORE_INDEX).sum()) for _, targets in batches), loss, bpb
 
 
 def is_conversations(path) -> bool:

@@ -5,6 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import model.loss as loss_module
+from common.labels import IGNORE_INDEX
 from model.loss import ChunkedCrossEntropy, causal_lm_loss, chunk_elements, row_chunks
 
 
@@ -72,3 +74,8 @@ def test_a_cpu_takes_cache_sized_chunks_and_a_gpu_fewer_larger_ones():
     gpu = row_chunks(logits, chunk_elements(torch.device("cuda")))
     assert [len(cpu), cpu[0]] == [68, slice(0, 40)] and [len(gpu), gpu[0]] == [5, slice(0, 655)]
     assert cpu[-1].stop >= 2720 and gpu[-1].stop >= 2720
+
+
+def test_the_model_ignores_the_targets_the_data_marks():
+    # model/loss.py restates the convention (an export's remote code carries no common/).
+    assert loss_module.IGNORE_INDEX == IGNORE_INDEX == -100

@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from common.errors import UserError
+from common.labels import IGNORE_INDEX
 from dataset.lm_dataset import load_tokenizer
 from dataset.token_bytes import bits_per_byte, target_bytes, token_byte_lengths
 from model.model_minimind import count_parameters
@@ -277,7 +278,7 @@ def evaluate(net, val_loader, ctx, device, byte_lengths, doc_mask: bool = False,
         with ctx:
             out = net(x, attention_mask=attention_mask(batch, doc_mask, bos_id), shift_labels=targets,
                       num_items_in_batch=1)  # a sum, not a mean
-        totals += torch.stack([out.loss.double(), (targets != -100).sum().double(),
+        totals += torch.stack([out.loss.double(), (targets != IGNORE_INDEX).sum().double(),
                                target_bytes(targets, byte_lengths).double()])
     net.train()
     all_reduce_sum(totals)

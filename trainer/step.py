@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.labels import IGNORE_INDEX
 from model.document_mask import document_causal_mask
 from trainer.distributed import all_reduce_sum
 from trainer.hooks import StepHooks
@@ -71,7 +72,7 @@ def optimizer_step(ctx: StepContext, micro_batches, requests: Requests = Request
     """
     device, accum = ctx.device, len(micro_batches)
     batches = [[t.to(device, non_blocking=True) for t in batch] for batch in micro_batches]
-    tokens = all_reduce_sum(sum((batch[1] != -100).sum() for batch in batches).double())
+    tokens = all_reduce_sum(sum((batch[1] != IGNORE_INDEX).sum() for batch in batches).double())
     # At least one: a global batch with no target at all (fine-tuning data where every
     # conversation lost its replies) then has a zero loss, not 0 / 0.
     per_rank_tokens = (tokens.clamp(min=1) / ctx.world_size).float()
