@@ -67,15 +67,16 @@ def test_minimind_labels_pad_the_last_target_instead_of_slicing_the_logits():
     torch.testing.assert_close(causal_lm_loss(logits, labels), sliced)
 
 
-def test_a_cpu_takes_cache_sized_chunks_and_a_gpu_fewer_larger_ones():
+def test_a_cpu_takes_cache_sized_chunks_and_a_gpu_or_a_compiled_graph_fewer_larger_ones(monkeypatch):
     # 2,720 tokens of MiniMind's 6,400 words: 40-row chunks (1 MB of fp32) on a CPU, 655-row (16 MB) elsewhere.
     logits = torch.empty(2720, 6400, device="meta")
     cpu = row_chunks(logits, chunk_elements(torch.device("cpu")))
     gpu = row_chunks(logits, chunk_elements(torch.device("cuda")))
     assert [len(cpu), cpu[0]] == [68, slice(0, 40)] and [len(gpu), gpu[0]] == [5, slice(0, 655)]
-    assert cpu[-1].stop >= 2720 and gpu[-1].stop >= 2720
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # as while dynamo traces the loss
+    assert chunk_elements(torch.device("cpu")) == chunk_elements(torch.device("cuda"))
 
 
-def test_the_model_ignores_the_targets_the_data_marks():
+def test_the_model_and_the_data_share_one_ignore_index():
     # model/loss.py restates the convention (an export's remote code carries no common/).
     assert loss_module.IGNORE_INDEX == IGNORE_INDEX == -100
