@@ -273,18 +273,20 @@ def report_seeds(runs: dict, args, accuracy: dict | None = None) -> list[str]:
              f"{args.eval_every} steps on the held-out val.bin; {len(seeds)} seeds per variant (--seed "
              f"{seeds[0]}-{seeds[-1]}), each against (a)'s run of the same seed; every cell is the mean "
              f"(min-max) over the seeds, and 'k of N' says only k seeds got there", "",
-             "| variant | time to (a)'s final loss, s | final bits/byte | bits/byte at (a)'s time "
-             "| task acc (chance 0.25) |", "|---|---|---|---|---|"]
+             "| variant | time to (a)'s final loss, s | steps to it | final bits/byte | bits/byte at (a)'s time "
+             "| task acc (chance 0.25) |", "|---|---|---|---|---|---|"]
     for name, by_seed in runs.items():
-        reach, final, at_ref, acc = [], [], [], []
+        reach, steps, final, at_ref, acc = [], [], [], [], []
         for seed, val in by_seed.items():
             target, t_ref = ref[seed][-1]["val_loss"], ref[seed][-1]["train_s"]
             reach.append(first_reach(val, target, "train_s"))
+            steps.append(first_reach(val, target, "step"))
             final.append(val[-1]["val_bpb"])
             at_ref.append(at_time(val, t_ref, "val_bpb"))
             result = (accuracy or {}).get(name, {}).get(seed)
             acc.append(result.acc if result else None)
-        lines.append(f"| {name} | {spread(reach, '.0f')} | {spread(final, '.4f')} | {spread(at_ref, '.4f')} | "
+        lines.append(f"| {name} | {spread(reach, '.1f')} | {spread(steps, '.1f')} | {spread(final, '.4f')} | "
+                     f"{spread(at_ref, '.4f')} | "
                      f"{spread(acc, '.3f')} |")
     return lines
 

@@ -108,7 +108,7 @@ def test_the_seeds_table_has_each_figures_mean_and_range_against_a_of_the_same_s
     validations at 4 s and 12 s (8 s), its bits/byte at 10 s is 1.9 - 0.4 * 6 / 8 = 1.6, and it
     ends at 1.5. Seed 43: (a) ends at 5.2 after 12 s, which b never reaches; b's bits/byte is
     1.85 at 12 s and at the end. Means: 1.675 final, 1.725 at (a)'s time; (a) reaches its own
-    final loss at its end, 10 and 12 s."""
+    final loss at its end, 10 and 12 s, step 20; b's seed 42 at step 15."""
     args = parse_args(["--variants", "a_minimind,b_defaults", "--seeds", "2"])
     a_43 = [{"step": 10, "train_s": 6.0, "val_loss": 6.0, "val_bpb": 2.0},
             {"step": 20, "train_s": 12.0, "val_loss": 5.2, "val_bpb": 1.9}]
@@ -121,11 +121,12 @@ def test_the_seeds_table_has_each_figures_mean_and_range_against_a_of_the_same_s
                 "b_defaults": {42: DownstreamResult.from_counts([400, 174, 170]),    # 0.435
                                43: DownstreamResult.from_counts([400, 150, 150])}}  # 0.375
     header, rule, row_a, row_b = report_seeds(runs, args, accuracy)[2:6]
-    assert header == ("| variant | time to (a)'s final loss, s | final bits/byte | bits/byte at (a)'s time "
-                      "| task acc (chance 0.25) |") and rule.count("|") == header.count("|")
-    assert row_a == "| a_minimind | 11 (10-12) | 1.8500 (1.8000-1.9000) | 1.8500 (1.8000-1.9000) | - |"
-    assert row_b == ("| b_defaults | 8 (8-8), 1 of 2 | 1.6750 (1.5000-1.8500) | 1.7250 (1.6000-1.8500) "
-                     "| 0.405 (0.375-0.435) |")
+    assert header == ("| variant | time to (a)'s final loss, s | steps to it | final bits/byte | bits/byte at "
+                      "(a)'s time | task acc (chance 0.25) |") and rule.count("|") == header.count("|")
+    assert row_a == ("| a_minimind | 11.0 (10.0-12.0) | 20.0 (20.0-20.0) | 1.8500 (1.8000-1.9000) "
+                     "| 1.8500 (1.8000-1.9000) | - |")
+    assert row_b == ("| b_defaults | 8.0 (8.0-8.0), 1 of 2 | 15.0 (15.0-15.0), 1 of 2 | 1.6750 (1.5000-1.8500) "
+                     "| 1.7250 (1.6000-1.8500) | 0.405 (0.375-0.435) |")
 
 
 def test_the_committed_task_is_scored_only_where_it_holds_in_the_corpus(tmp_path, monkeypatch, capsys):
