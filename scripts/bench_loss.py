@@ -7,9 +7,9 @@ model/loss.py's chunked cross-entropy, side by side in one run.
 Each row times the loss's forward and backward on (batch x seq, vocab) logits of the given
 dtype, as the trainer makes them (bf16 under autocast, fp32 otherwise), for each of
 --chunk_elements (logits upcast at a time; the device's own, model.loss.chunk_elements, is
-marked *), and the gradient's largest difference between the two; the lm_head's matmul is left
-out, since both share it. Runs alternate between the two, so a slow moment of the machine
-falls on both alike.
+marked *), and the largest difference between F.cross_entropy's gradient and any chunked one's;
+the lm_head's matmul is left out, since all share it. Runs alternate between them, so a slow
+moment of the machine falls on all alike.
 """
 import statistics
 import sys

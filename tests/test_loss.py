@@ -26,8 +26,8 @@ def test_loss_and_gradient_by_hand_one_row_per_chunk():
     torch.testing.assert_close(logits.grad, expected, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("chunk_elements", [50, 7 * 50, 1 << 22])  # a row, a remainder chunk, one chunk
-def test_matches_f_cross_entropy_across_chunk_boundaries(chunk_elements):
+@pytest.mark.parametrize("elements", [50, 7 * 50, 1 << 22])  # a row, a remainder chunk, one chunk
+def test_matches_f_cross_entropy_across_chunk_boundaries(elements):
     torch.manual_seed(0)
     logits = (3 * torch.randn(37, 50)).requires_grad_()
     targets = torch.randint(0, 50, (37,))
@@ -35,7 +35,7 @@ def test_matches_f_cross_entropy_across_chunk_boundaries(chunk_elements):
     reference = logits.detach().clone().requires_grad_()
     expected = F.cross_entropy(reference, targets, ignore_index=-100, reduction="sum")
     expected.backward()
-    total = ChunkedCrossEntropy.apply(logits, targets, chunk_elements)
+    total = ChunkedCrossEntropy.apply(logits, targets, elements)
     total.backward()
     torch.testing.assert_close(total, expected)
     torch.testing.assert_close(logits.grad, reference.grad)
