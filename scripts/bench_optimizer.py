@@ -13,7 +13,8 @@ scripts/bench_pretrain.py --variants mk); the speed-up over torch.optim.Muon; an
 matmul FLOPs one rank runs per step (torch's FlopCounterMode, on an eager twin of the
 variant; AdamW runs none). torch.optim.Muon orthogonalises every matrix on every rank in
 bf16, one after another; ours stacks matrices of one shape, splits each stack across the
-ranks of a process group and works in the precision it is given. With 2 processes each rank
+ranks of a process group and works in the precision it is given; with NorMuon (the trainer's
+default for a new run) it also rescales each update's rows. With 2 processes each rank
 runs one thread (and the single process --threads), so on a 2-core machine both use the
 whole CPU.
 """
@@ -37,14 +38,15 @@ from trainer.device import native_bf16_cpu_flags, read_cpu_flags  # noqa: E402
 from trainer.muon import Muon  # noqa: E402
 from trainer.optim import is_block_matrix  # noqa: E402
 
-# name: (optimizer class, Newton-Schulz dtype, whether its work is split across ranks)
+# name: (optimizer class, Newton-Schulz dtype, whether its work is split across ranks, NorMuon)
 ADAMW = "torch.optim.AdamW (fused)"
 TORCH_MUON = "torch.optim.Muon (bf16)"
 VARIANTS = {
-    ADAMW: ("adamw", None, False),
-    TORCH_MUON: ("torch", torch.bfloat16, False),
-    "ours, bf16": ("ours", torch.bfloat16, True),
-    "ours, fp32": ("ours", torch.float32, True),
+    ADAMW: ("adamw", None, False, False),
+    TORCH_MUON: ("torch", torch.bfloat16, False, False),
+    "ours, bf16": ("ours", torch.bfloat16, True, False),
+    "ours, bf16 + NorMuon (the trainer's default)": ("ours", torch.bfloat16, True, True),
+    "ours, fp32": ("ours", torch.float32, True, False),
 }
 
 
@@ -67,13 +69,13 @@ def block_matrices(shapes, device) -> list[torch.nn.Parameter]:
 
 
 def make_optimizer(name: str, params, group, compile_ns: bool) -> torch.optim.Optimizer:
-    kind, dtype, split = VARIANTS[name]
+    kind, dtype, split, normuon = VARIANTS[name]
     if kind == "adamw":  # the trainer's AdamW (trainer/optim.py): fused on CPU and CUDA alike
         return torch.optim.AdamW(params, lr=5e-4, betas=(0.9, 0.95), weight_decay=0.01, fused=True)
     if kind == "torch":
         return torch.optim.Muon(params, lr=0.02, weight_decay=0.01)
     return Muon(params, lr=0.02, weight_decay=0.01, ns_dtype=dtype, process_group=group if split else None,
-                compile_ns=compile_ns)
+                compile_ns=compile_ns, normuon=normuon)
 
 
 def newton_schulz_gflop(name: str, shapes, device, group) -> float:
