@@ -124,21 +124,21 @@ def test_a_step_in_bf16_is_torch_optim_muons_step():
     assert ours_opt.state[ours[0]].keys() == theirs_opt.state[theirs[0]].keys() == {"momentum_buffer"}
 
 
-@pytest.mark.parametrize("method", NS_METHODS)
-def test_the_compiled_iteration_does_not_recompile_as_the_lr_moves(monkeypatch, method):
-    """compile_ns (on for CUDA runs) compiles the batched iteration alone, which never sees the lr,
-    with either method's coefficients. Compiled here with dynamo's eager backend: the same graphs
-    and guards, without code generation."""
+@pytest.mark.parametrize("method, normuon", [("quintic", False), ("polar_express", True)])
+def test_the_compiled_iteration_does_not_recompile_as_the_lr_moves(monkeypatch, method, normuon):
+    """compile_ns (on for CUDA runs) compiles the batched iteration and NorMuon's two halves, none
+    of which sees the lr, with either method's coefficients. Compiled here with dynamo's eager
+    backend: the same graphs and guards, without code generation."""
     import torch._dynamo
 
     real_compile, calls = torch.compile, []
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: calls.append(kw) or real_compile(fn, **kw, backend="eager"))
     torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()  # the frames counted so far in this process (the other method's)
+    torch._dynamo.utils.counters.clear()  # the frames counted so far in this process (the other case's)
     shapes = [(32, 64), (64, 32), (64, 64)]
     params = [torch.nn.Parameter(m) for m in matrices(*shapes)]
-    opt = Muon(params, lr=0.02, compile_ns=True, ns_method=method)
-    assert calls == [{"dynamic": False}]
+    opt = Muon(params, lr=0.02, compile_ns=True, ns_method=method, normuon=normuon)
+    assert calls == [{"dynamic": False}] * (3 if normuon else 1)
     frames = torch._dynamo.utils.counters["frames"]
     for step in range(4):
         for group in opt.param_groups:
@@ -148,8 +148,29 @@ def test_the_compiled_iteration_does_not_recompile_as_the_lr_moves(monkeypatch, 
         opt.step()
         if step == 0:
             compiled = frames["ok"]
-    assert compiled == 2  # one graph per stack shape: (32, 64) twice, (64, 64) once
+    # one graph per stack shape, (32, 64) twice and (64, 64) once; NorMuon's halves one each
+    assert compiled == (4 if normuon else 2)
     assert frames["ok"] == compiled, "a later step compiled again"
+
+
+def test_the_compiled_update_with_normuon_equals_the_eager_one():
+    """Inductor's code for the Newton-Schulz iteration and NorMuon's halves (CPU code here, the
+    same graphs CUDA compiles) gives eager's weights and moments to float noise over three steps,
+    the moments updated in place inside the compiled graph."""
+    import torch._dynamo
+
+    def three_steps(compile_ns):
+        torch._dynamo.reset()
+        params = [torch.nn.Parameter(m) for m in matrices((32, 64), (64, 32), (64, 64))]
+        opt = Muon(params, lr=0.02, compile_ns=compile_ns, normuon=True)
+        for step in range(3):
+            for p, g in zip(params, matrices((32, 64), (64, 32), (64, 64), seed=step + 1)):
+                p.grad = g
+            opt.step()
+        return [p.detach() for p in params] + [opt.state[p]["row_second_moment"] for p in params]
+
+    for eager, compiled in zip(three_steps(False), three_steps(True)):
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------- across ranks
@@ -212,7 +233,7 @@ def test_every_option_split_over_ranks_gives_the_one_process_weights(one_process
     """Polar Express, NorMuon and cautious decay on: the split step still equals one process's.
     NorMuon's v lives with each rank's rows under FSDP (3 ranks: 86/86/84 rows of the MLP's
     matrices), and its norms over whole matrices are summed in one process's order on every
-    layout (trainer/muon.py's _column_sums), so this holds bit for bit (measured on CPU), which
+    layout (trainer/muon.py's _every_rank_rows), so this holds bit for bit (measured on CPU), which
     is more than the float noise it must hold to."""
     expected = one_process_all_options
     assert len(expected["moments"]) == len(expected["weights"]) == 14

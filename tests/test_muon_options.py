@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from trainer.muon import Muon, normuon
+from trainer.muon import Muon, rescale, row_stats
 from trainer.newton_schulz import NS_COEFFICIENTS, NS_METHODS, iteration_plan, newton_schulz
 from trainer.optim import is_block_matrix
 
@@ -46,6 +46,12 @@ def test_polar_express_is_five_published_tuples_and_the_quintic_torchs_one_repea
 
 
 # ---------------------------------------------------------------------------- NorMuon
+def normuon(updates, moments, beta2):
+    """NorMuon's two halves on whole matrices, as one process's Muon runs them."""
+    figures, inv_rms = row_stats(updates, moments, beta2)
+    return rescale(updates, inv_rms, figures)
+
+
 def test_normuon_hand_computed():
     """O = [[1, 1], [2, 0]]: row mean squares 1 and 2; from v = 0 with beta2 0.5, v = [0.5, 1].
     O / sqrt(v) = [[sqrt 2, sqrt 2], [2, 0]], of squared norm 8 where O's is 6, so the update is

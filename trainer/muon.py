@@ -31,12 +31,12 @@ What this file adds is where and how O is computed:
     matrix; Newton-Schulz of a shard alone is not the shard of Newton-Schulz, so one
     all-to-all brings each owner the rows of its matrices, and a second sends every rank
     its rows of each result. NorMuon then works on the rows each rank holds (its v is
-    sharded as W is); only its two Frobenius norms need every rank's rows (_column_sums).
+    sharded as W is); only its two Frobenius norms need every rank's rows (_every_rank_rows).
   * In the run's precision: `ns_dtype` is bf16 where the run trains under bf16 autocast,
     fp32 where it trains in fp32 (torch.optim.Muon always uses bf16). fp32 keeps a run
     the same run at any world size to float noise, and is fast on CPUs without bf16.
-  * Compiled on CUDA (`compile_ns`): the batched iteration only, which sees no learning
-    rate, so nothing recompiles as the schedule moves.
+  * Compiled on CUDA (`compile_ns`): the batched iteration and NorMuon's arithmetic, which
+    see no learning rate, so nothing recompiles as the schedule moves.
 
 Its param groups and state ("momentum_buffer") are torch.optim.Muon's, key for key, so a
 checkpoint written with either optimizer resumes with this one; NorMuon adds its v to the state,
@@ -126,7 +126,12 @@ class Muon(torch.optim.Optimizer):
         self.process_group = process_group
         self.ns_method, self.cautious_wd = ns_method, cautious_wd
         self.normuon, self.normuon_beta2 = normuon, normuon_beta2
-        self._orthogonalise_stack = torch.compile(newton_schulz, dynamic=False) if compile_ns else newton_schulz
+        # Compiled on CUDA, where launching each of their many small ops one by one would cost
+        # more than the arithmetic: NorMuon is about 20 ops per matrix.
+        maybe_compile = (lambda fn: torch.compile(fn, dynamic=False)) if compile_ns else (lambda fn: fn)
+        self._orthogonalise_stack = maybe_compile(newton_schulz)
+        if normuon:
+            self._normuon_row_stats, self._normuon_rescale = maybe_compile(row_stats), maybe_compile(rescale)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -154,7 +159,8 @@ class Muon(torch.optim.Optimizer):
         orthogonal = self._orthogonalise(params, updates, group)
         if self.normuon:
             moments = [self._row_moment(p) for p in params]
-            orthogonal = normuon(orthogonal, moments, self.normuon_beta2, lambda figures: _column_sums(params, figures))
+            figures, inv_rms = self._normuon_row_stats(orthogonal, moments, self.normuon_beta2)
+            orthogonal = self._normuon_rescale(orthogonal, inv_rms, _every_rank_rows(params, figures))
         lr = group["lr"]
         decay_(local, lr * group["weight_decay"], orthogonal if self.cautious_wd else None)
         for p, weight, update in zip(params, local, orthogonal):
@@ -188,35 +194,36 @@ class Muon(torch.optim.Optimizer):
 
 
 # ------------------------------------------------------------------ NorMuon
-def whole_column_sums(figures) -> list:
-    """Each matrix's column sums of its per-row figures, all rows held here."""
-    return [f.sum(dim=0) for f in figures]
-
-
-def normuon(updates, moments, beta2: float, column_sums=whole_column_sums) -> list:
-    """NorMuon's rescaling of each O in `updates` (whole, or the rows this rank holds), with
-    `moments` its per-row v (the same rows), updated in place: v <- lerp(v, mean(O_row^2),
-    1 - beta2); then O_row / sqrt(v + eps), scaled back to O's Frobenius norm. column_sums:
-    the sums over each matrix's rows of per-row figures ((rows, k) each): over every rank's
-    rows under FSDP (_column_sums)."""
+# NorMuon's rescaling of each O (whole, or the rows this rank holds), in two halves so that the
+# norms between them can take in every rank's rows under FSDP:
+#   row_stats: v <- lerp(v, mean(O_row^2), 1 - beta2) in place, and each row's figures;
+#   rescale:   O_row / sqrt(v + eps), scaled back to O's Frobenius norm.
+def row_stats(updates, moments, beta2: float):
+    """Updates each matrix's per-row v in `moments`; returns, per matrix, its rows' (|O_row|^2,
+    |O_row / sqrt(v + eps)|^2) as a (rows, 2) tensor, and 1 / sqrt(v + eps)."""
     row_squares = [u.float().square().contiguous().sum(dim=-1) for u in updates]
     for v, squares, u in zip(moments, row_squares, updates):
         v.lerp_(squares / u.shape[-1], 1 - beta2)
     inv_rms = [(v + NORMUON_EPS).rsqrt() for v in moments]
-    # |O|^2 and |O / sqrt(v + eps)|^2 of each matrix, from its rows' sums of squares
-    norms = column_sums([torch.stack([sq, sq * s.square()], dim=1) for sq, s in zip(row_squares, inv_rms)])
+    figures = [torch.stack([sq, sq * s.square()], dim=1) for sq, s in zip(row_squares, inv_rms)]
+    return figures, inv_rms
+
+
+def rescale(updates, inv_rms, figures) -> list:
+    """Each O's rows times its inv_rms, times |O| / |O / sqrt(v + eps)| from `figures`, every row's
+    of the matrix (the rows held here, or under FSDP every rank's: _every_rank_rows)."""
+    norms = [f.sum(dim=0) for f in figures]
     # An all-zero O (a zero gradient) has both norms 0: the clamp keeps its update 0, not NaN.
     scales = [s * (before / after.clamp(min=1e-30)).sqrt() for s, (before, after) in zip(inv_rms, norms)]
     return [u * scale.unsqueeze(-1) for u, scale in zip(updates, scales)]
 
 
-def _column_sums(params, figures) -> list:
-    """Each matrix's column sums of `figures` (per row, (rows held here, k)), in the same bits
-    on every layout: under FSDP each rank sets its rows among zeros, one all-reduce fills in
-    every rank's (adding zeros changes no bit), and every rank sums whole columns as one
-    process does."""
+def _every_rank_rows(params, figures) -> list:
+    """Each matrix's per-row `figures` for all its rows, in the same bits on every layout: under
+    FSDP each rank sets its rows among zeros and one all-reduce fills in every rank's (adding
+    zeros changes no bit)."""
     if not isinstance(params[0], DTensor):
-        return whole_column_sums(figures)
+        return figures
     pg = _mesh_group(params[0])
     world, rank = dist.get_world_size(pg), dist.get_rank(pg)
     rows = [p.shape[0] for p in params]
@@ -227,7 +234,7 @@ def _column_sums(params, figures) -> list:
         full[mine:mine + block.shape[0]] = block
         start += p.shape[0]
     dist.all_reduce(full, group=pg)
-    return whole_column_sums(full.split(rows))
+    return list(full.split(rows))
 
 
 def _oriented(matrix, transposed: bool):
