@@ -210,8 +210,8 @@ def row_stats(updates, moments, beta2: float):
 
 
 def rescale(updates, inv_rms, figures) -> list:
-    """Each O's rows times its inv_rms, times |O| / |O / sqrt(v + eps)| from `figures`, every row's
-    of the matrix (the rows held here, or under FSDP every rank's: _every_rank_rows)."""
+    """Each O's rows times its inv_rms, times |O| / |O / sqrt(v + eps)|, summed from `figures` over
+    all the matrix's rows (the rows held here, or under FSDP every rank's: _every_rank_rows)."""
     norms = [f.sum(dim=0) for f in figures]
     # An all-zero O (a zero gradient) has both norms 0: the clamp keeps its update 0, not NaN.
     scales = [s * (before / after.clamp(min=1e-30)).sqrt() for s, (before, after) in zip(inv_rms, norms)]
