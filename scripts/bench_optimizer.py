@@ -68,21 +68,21 @@ def block_matrices(shapes, device) -> list[torch.nn.Parameter]:
     return params
 
 
-def make_optimizer(name: str, params, group, compile_ns: bool) -> torch.optim.Optimizer:
+def make_optimizer(name: str, params, group, compile_update: bool) -> torch.optim.Optimizer:
     kind, dtype, split, normuon = VARIANTS[name]
     if kind == "adamw":  # the trainer's AdamW (trainer/optim.py): fused on CPU and CUDA alike
         return torch.optim.AdamW(params, lr=5e-4, betas=(0.9, 0.95), weight_decay=0.01, fused=True)
     if kind == "torch":
         return torch.optim.Muon(params, lr=0.02, weight_decay=0.01)
     return Muon(params, lr=0.02, weight_decay=0.01, ns_dtype=dtype, process_group=group if split else None,
-                compile_ns=compile_ns, normuon=normuon)
+                compile_update=compile_update, normuon=normuon)
 
 
 def newton_schulz_gflop(name: str, shapes, device, group) -> float:
     """The matmul GFLOP one step of the variant runs on this rank, counted on an eager twin:
     under FlopCounterMode (a dispatch mode) dynamo does not compile, and a compiled graph's
     kernels would not be counted anyway."""
-    optimizer = make_optimizer(name, block_matrices(shapes, device), group, compile_ns=False)
+    optimizer = make_optimizer(name, block_matrices(shapes, device), group, compile_update=False)
     with FlopCounterMode(display=False) as counter:
         optimizer.step()
     return counter.get_total_flops() / 1e9
@@ -92,7 +92,7 @@ def time_variant(name: str, args, device, group) -> tuple[float, float]:
     """(median s/step, Newton-Schulz GFLOP this rank ran per step)."""
     shapes = block_shapes(args.hidden_size, args.num_hidden_layers)
     gflop = newton_schulz_gflop(name, shapes, device, group)
-    optimizer = make_optimizer(name, block_matrices(shapes, device), group, compile_ns=device.type == "cuda")
+    optimizer = make_optimizer(name, block_matrices(shapes, device), group, compile_update=device.type == "cuda")
     # The untimed warm-up, and on CUDA the compile: outside any dispatch mode, since dynamo skips a
     # frame first called under one (FlopCounterMode) and then never compiles it.
     optimizer.step()

@@ -126,7 +126,7 @@ def test_a_step_in_bf16_is_torch_optim_muons_step():
 
 @pytest.mark.parametrize("method, normuon", [("quintic", False), ("polar_express", True)])
 def test_the_compiled_iteration_does_not_recompile_as_the_lr_moves(monkeypatch, method, normuon):
-    """compile_ns (on for CUDA runs) compiles the batched iteration and NorMuon's two halves, none
+    """compile_update (on for CUDA runs) compiles the batched iteration and NorMuon's two halves, none
     of which sees the lr, with either method's coefficients. Compiled here with dynamo's eager
     backend: the same graphs and guards, without code generation."""
     import torch._dynamo
@@ -137,7 +137,7 @@ def test_the_compiled_iteration_does_not_recompile_as_the_lr_moves(monkeypatch, 
     torch._dynamo.utils.counters.clear()  # the frames counted so far in this process (the other case's)
     shapes = [(32, 64), (64, 32), (64, 64)]
     params = [torch.nn.Parameter(m) for m in matrices(*shapes)]
-    opt = Muon(params, lr=0.02, compile_ns=True, ns_method=method, normuon=normuon)
+    opt = Muon(params, lr=0.02, compile_update=True, ns_method=method, normuon=normuon)
     assert calls == [{"dynamic": False}] * (3 if normuon else 1)
     frames = torch._dynamo.utils.counters["frames"]
     for step in range(4):
@@ -159,10 +159,10 @@ def test_the_compiled_update_with_normuon_equals_the_eager_one():
     the moments updated in place inside the compiled graph."""
     import torch._dynamo
 
-    def three_steps(compile_ns):
+    def three_steps(compile_update):
         torch._dynamo.reset()
         params = [torch.nn.Parameter(m) for m in matrices((32, 64), (64, 32), (64, 64))]
-        opt = Muon(params, lr=0.02, compile_ns=compile_ns, normuon=True)
+        opt = Muon(params, lr=0.02, compile_update=compile_update, normuon=True)
         for step in range(3):
             for p, g in zip(params, matrices((32, 64), (64, 32), (64, 64), seed=step + 1)):
                 p.grad = g

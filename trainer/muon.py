@@ -35,7 +35,7 @@ What this file adds is where and how O is computed:
   * In the run's precision: `ns_dtype` is bf16 where the run trains under bf16 autocast,
     fp32 where it trains in fp32 (torch.optim.Muon always uses bf16). fp32 keeps a run
     the same run at any world size to float noise, and is fast on CPUs without bf16.
-  * Compiled on CUDA (`compile_ns`): the batched iteration and NorMuon's arithmetic, which
+  * Compiled on CUDA (`compile_update`): the batched iteration and NorMuon's arithmetic, which
     see no learning rate, so nothing recompiles as the schedule moves.
 
 Its param groups and state ("momentum_buffer") are torch.optim.Muon's, key for key, so a
@@ -110,7 +110,7 @@ class Muon(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 0.02, weight_decay: float = 0.0, momentum: float = 0.95,
                  nesterov: bool = True, ns_coefficients=NS_COEFFICIENTS, eps: float = EPS, ns_steps: int = NS_STEPS,
                  adjust_lr_fn=None, *, ns_dtype: torch.dtype = torch.float32, process_group=None,
-                 compile_ns: bool = False, ns_method: str = "quintic", normuon: bool = False,
+                 compile_update: bool = False, ns_method: str = "quintic", normuon: bool = False,
                  normuon_beta2: float = 0.95, cautious_wd: bool = False):
         if adjust_lr_fn not in (None, "original"):
             raise ValueError(f"adjust_lr_fn {adjust_lr_fn!r}: only torch.optim.Muon's default (None) is implemented")
@@ -128,7 +128,7 @@ class Muon(torch.optim.Optimizer):
         self.normuon, self.normuon_beta2 = normuon, normuon_beta2
         # Compiled on CUDA, where launching each of their many small ops one by one would cost
         # more than the arithmetic: NorMuon is about 20 ops per matrix.
-        maybe_compile = (lambda fn: torch.compile(fn, dynamic=False)) if compile_ns else (lambda fn: fn)
+        maybe_compile = (lambda fn: torch.compile(fn, dynamic=False)) if compile_update else (lambda fn: fn)
         self._orthogonalise_stack = maybe_compile(newton_schulz)
         if normuon:
             self._normuon_row_stats, self._normuon_rescale = maybe_compile(row_stats), maybe_compile(rescale)

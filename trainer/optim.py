@@ -29,7 +29,7 @@ class OptimConfig:
     muon_lr: float = 0.02
     muon_momentum: float = 0.95
     ns_dtype: str = "float32"       # Muon's Newton-Schulz: the run's precision (bfloat16 under bf16 autocast)
-    compile_ns: bool = False        # compile Muon's Newton-Schulz (CUDA)
+    compile_update: bool = False    # compile Muon's per-matrix arithmetic: Newton-Schulz, NorMuon (CUDA)
     fused: bool = True              # fused AdamW (CPU and CUDA); off for the exact-reference tests
     # Options, each off here (the schedule: MiniMind's cosine); the flags' defaults: trainer/args.py.
     muon_ns: str = "quintic"        # quintic | polar_express (trainer/newton_schulz.py)
@@ -52,7 +52,7 @@ class OptimConfig:
                    weight_decay=args.weight_decay, betas=args.adam_betas, muon_lr=args.muon_lr,
                    muon_momentum=args.muon_momentum,
                    ns_dtype="bfloat16" if settings.dtype == "bfloat16" else "float32",
-                   compile_ns=device.type == "cuda", muon_ns=args.muon_ns, normuon=bool(settings.normuon),
+                   compile_update=device.type == "cuda", muon_ns=args.muon_ns, normuon=bool(settings.normuon),
                    normuon_beta2=args.normuon_beta2, cautious_wd=args.cautious_wd, warmup_steps=args.warmup_steps,
                    lr_schedule=settings.lr_schedule, cooldown_frac=args.cooldown_frac, min_lr_frac=args.min_lr_frac,
                    muon_momentum_warmup=args.muon_momentum_warmup, lr_ref_width=args.lr_ref_width,
@@ -163,7 +163,7 @@ def build_optimizer(model, cfg: OptimConfig, data_parallel_group=None) -> Optimi
     if muon_groups:
         optimizers.append(Muon(muon_groups, lr=cfg.muon_lr, momentum=cfg.muon_momentum, weight_decay=cfg.weight_decay,
                                ns_dtype=getattr(torch, cfg.ns_dtype), process_group=data_parallel_group,
-                               compile_ns=cfg.compile_ns, ns_method=cfg.muon_ns, normuon=cfg.normuon,
+                               compile_update=cfg.compile_update, ns_method=cfg.muon_ns, normuon=cfg.normuon,
                                normuon_beta2=cfg.normuon_beta2, cautious_wd=cfg.cautious_wd in ("muon", "both")))
     return Optimizers(optimizers)
 
