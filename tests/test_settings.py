@@ -194,24 +194,35 @@ def test_a_resume_with_fewer_tokens_per_step_keeps_muon(tmp_path):
     ("lr_schedule", "auto", "muon", {"optimizer": "muon"}, "cosine"),  # a record from before: the default then
     ("normuon", "auto", "muon", {"optimizer": "muon"}, 0),
     ("lr_schedule", "wsd", "muon", {"optimizer": "muon"}, "wsd"),  # the user knows better than an old record
+    ("muon_lr", "auto", "muon", None, 0.01),
+    ("muon_lr", 0.03, "muon", None, 0.03),
+    ("muon_lr", "auto", "muon", {"muon_lr": 0.005}, 0.005),
+    ("muon_lr", "auto", "muon", {"optimizer": "muon"}, 0.02),
 ])
 def test_resolve_recipe(name, flag, optimizer, resumed, expected):
-    assert settings.resolve_recipe(name, flag, optimizer, resumed)[0] == expected
+    assert settings.resolve_recipe(name, flag, optimizer, resumed, hidden_size=256)[0] == expected
+
+
+@pytest.mark.parametrize("hidden_size, muon_lr", [(64, 0.01), (256, 0.01), (384, 0.015), (512, 0.02), (768, 0.02)])
+def test_a_new_runs_muon_lr_follows_the_width_it_was_measured_at(hidden_size, muon_lr):
+    """0.01 at 256 and 0.02 at 512 (docs/time-to-quality.md), a straight line between, held beyond."""
+    assert settings.resolve_recipe("muon_lr", "auto", "muon", None, hidden_size=hidden_size)[0] == muon_lr
 
 
 def test_resolve_recipe_stops_where_the_checkpoint_says_otherwise():
     with pytest.raises(UserError, match=r"^--normuon 1: the checkpoint this run resumes trained with --normuon 0; "):
-        settings.resolve_recipe("normuon", 1, "muon", {"normuon": 0})
+        settings.resolve_recipe("normuon", 1, "muon", {"normuon": 0}, hidden_size=256)
     with pytest.raises(UserError, match=r"^--lr_schedule cosine: the checkpoint this run resumes trained with "
                                         r"--lr_schedule wsd"):
-        settings.resolve_recipe("lr_schedule", "cosine", "muon", {"lr_schedule": "wsd"})
+        settings.resolve_recipe("lr_schedule", "cosine", "muon", {"lr_schedule": "wsd"}, hidden_size=256)
 
 
 def test_a_run_started_on_other_defaults_resumes_as_it_started(tmp_path):
-    """A run started with the cosine and plain Muon (the defaults before wsd and NorMuon, or chosen)
-    resumes under the new defaults (auto) on its own schedule and optimizer: bitwise the run it
-    would have been uninterrupted. A flag that contradicts the checkpoint stops in one line, and a
-    record that predates naming them is taken at the old defaults, said in the log."""
+    """A run started with the cosine, plain Muon and Muon's lr at 0.02 (the defaults before wsd,
+    NorMuon and 0.01, or chosen) resumes under the new defaults (auto) on its own schedule, optimizer
+    and lr: bitwise the run it would have been uninterrupted. A flag that contradicts the checkpoint
+    stops in one line, and a record that predates naming them is taken at the old defaults, said in
+    the log."""
     import json
 
     from tests.jobs import run_trainer
@@ -220,7 +231,7 @@ def test_a_run_started_on_other_defaults_resumes_as_it_started(tmp_path):
 
     ensure_demo_corpus()
     base = [*TINY, "--save_interval", "3", "--max_steps", "6", "--dtype", "float32"]
-    old = ["--lr_schedule", "cosine", "--normuon", "0"]
+    old = ["--lr_schedule", "cosine", "--normuon", "0", "--muon_lr", "0.02"]
     whole = run_trainer([*base, *old, *out_args(tmp_path / "whole")], tmp_path / "whole")
     first = run_trainer([*base, *old, "--max_steps", "3", *out_args(tmp_path / "cut")], tmp_path / "cut")
     assert whole.returncode == 0 and first.returncode == 0, first.stdout[-3000:]
@@ -229,12 +240,14 @@ def test_a_run_started_on_other_defaults_resumes_as_it_started(tmp_path):
     assert clash.returncode == 2 and "Traceback" not in clash.stdout
     assert "error: --normuon 1: the checkpoint this run resumes trained with --normuon 0" in clash.stdout
     for record in (tmp_path / "cut" / "ckpt").glob("*.json"):  # as written before the record named them
-        kept = {k: v for k, v in json.loads(record.read_text()).items() if k not in ("lr_schedule", "normuon")}
+        kept = {k: v for k, v in json.loads(record.read_text()).items()
+                if k not in ("lr_schedule", "normuon", "muon_lr")}
         record.write_text(json.dumps(kept))
     resumed = run_trainer(again, tmp_path / "cut")
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     assert "lr_schedule: cosine (auto: the checkpoint it resumes predates recording it" in resumed.stdout
     assert "normuon: 0 (auto: the checkpoint it resumes predates recording it" in resumed.stdout
+    assert "muon_lr: 0.02 (auto: the checkpoint it resumes predates recording it" in resumed.stdout
     whole_model, cut_model = (latest_checkpoint(tmp_path / name)["model"] for name in ("whole", "cut"))
     assert latest_checkpoint(tmp_path / "cut")["global_step"] == 6
     for key, value in whole_model.items():

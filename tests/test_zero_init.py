@@ -40,10 +40,10 @@ def test_build_parts_zeroes_a_fresh_model_and_leaves_loaded_weights_be(tmp_path)
     def o_proj(model):
         return model.model.layers[0].self_attn.o_proj.weight
 
-    assert o_proj(parts().model).any()  # off by default
-    fresh = parts("--zero_init_outputs", "1").model
+    fresh = parts().model  # on by default
     assert not o_proj(fresh).any() and not fresh.model.layers[1].mlp.down_proj.weight.any()
-    trained = parts().model
+    trained = parts("--zero_init_outputs", "0").model  # MiniMind's initialisation
+    assert o_proj(trained).any()
     torch.save(trained.state_dict(), tmp_path / "init.pth")
-    loaded = parts("--zero_init_outputs", "1", "--from_weight", str(tmp_path / "init.pth")).model
+    loaded = parts("--from_weight", str(tmp_path / "init.pth")).model
     assert torch.equal(o_proj(loaded), o_proj(trained))

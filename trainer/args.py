@@ -76,7 +76,10 @@ def _optimisation_flags(p):
                           "native precision (not fp16, not emulated bf16) and adds at most 75%% to a step's FLOPs, "
                           "where Muon still reached a loss sooner than AdamW (docs/performance.md), else adamw; "
                           "said in one line at start-up")
-    opt.add_argument("--muon_lr", type=float, default=0.02, help="Muon's peak lr (its schedule has the same shape)")
+    opt.add_argument("--muon_lr", type=auto_or(float), default="auto",
+                     help="Muon's peak lr (its schedule has the same shape); auto: for a new run 0.01 up to "
+                          "hidden 256, 0.02 from 512, linear between (docs/time-to-quality.md); a resume keeps "
+                          "its checkpoint's")
     opt.add_argument("--muon_momentum", type=float, default=0.95, help="Muon's momentum (Nesterov)")
     opt.add_argument("--muon_momentum_warmup", type=int, default=0,
                      help="raise Muon's momentum linearly from 0.85 to --muon_momentum over the first N steps "
@@ -85,7 +88,7 @@ def _optimisation_flags(p):
                      help="Muon's Newton-Schulz coefficients: quintic (Keller Jordan's, one tuple five times) or "
                           "polar_express (Amsel et al., 2025: one tuple per iteration, closer to orthogonal; "
                           "trainer/newton_schulz.py)")
-    opt.add_argument("--normuon", type=auto_or_int, default="auto", choices=["auto", 0, 1],
+    opt.add_argument("--normuon", type=auto_or(int), default="auto", choices=["auto", 0, 1],
                      help="1: NorMuon, each row of Muon's update divided by the root of its running mean square, "
                           "then rescaled to the update's norm (trainer/muon.py); auto: 1 for a new run with Muon "
                           "(docs/time-to-quality.md), a resume keeps its checkpoint's")
@@ -118,9 +121,10 @@ def _model_flags(p):
                      help="initial weights: a name, as MiniMind's (pretrain: {save_dir}/pretrain_{hidden}[_moe].pth), "
                           "a .pth, .safetensors or resume checkpoint, or none (from scratch)")
     mdl.add_argument("--from_resume", type=int, default=0, choices=[0, 1], help="1: continue from the latest checkpoint")
-    mdl.add_argument("--zero_init_outputs", type=int, default=0, choices=[0, 1],
+    mdl.add_argument("--zero_init_outputs", type=int, default=1, choices=[0, 1],
                      help="1: a fresh model's block output projections (o_proj, down_proj) start at 0, so each block "
-                          "starts as the identity (not with --from_weight; the model and its files are unchanged)")
+                          "starts as the identity (not with --from_weight; the model and its files are unchanged; "
+                          "docs/time-to-quality.md); 0: MiniMind's initialisation")
     mdl.add_argument("--tokenizer_path", default=str(REPO_ROOT / "model"), help="folder with tokenizer.json")
 
 
@@ -178,14 +182,16 @@ def adam_betas(text: str) -> tuple[float, float]:
     return betas
 
 
-def auto_or_int(text: str):
-    """argparse type of a flag that is "auto" or a number (--normuon)."""
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected auto or a number, got {text!r}") from None
+def auto_or(number):
+    """argparse type of a flag that is "auto" or a number of type `number` (--normuon, --muon_lr)."""
+    def parse(text: str):
+        if text == "auto":
+            return text
+        try:
+            return number(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected auto or a number, got {text!r}") from None
+    return parse
 
 
 # Model flags that the config stored beside --from_weight decides when they are not typed.
@@ -217,7 +223,7 @@ FLOAT_RANGES = {
     "dist_timeout": (0.0, False, "seconds a collective may wait, e.g. 600"),
     "peak_tflops": (0.0, True, "the device's peak TFLOP/s, 0 to look it up"),
     "save_every_minutes": (0.0, True, "minutes of training between saves, 0 for off"),
-    "muon_lr": (0.0, False, "Muon's peak learning rate, e.g. 0.02"),
+    "muon_lr": (0.0, False, "Muon's peak learning rate, e.g. 0.01"),
     "muon_momentum": (0.0, True, "Muon's momentum, e.g. 0.95"),
 }
 # Float flags that are shares: (whether 1 itself is allowed, what the value means).
@@ -239,6 +245,8 @@ def check_args(args, device):
         raise UserError(f"--seed must be below 2**31 (numpy seeds are 32-bit), got {args.seed}")
     for flag, (lowest, inclusive, meaning) in FLOAT_RANGES.items():
         value = getattr(args, flag)
+        if value == "auto":  # --muon_lr: a number once the run is resolved (trainer/settings.py)
+            continue
         if not (math.isfinite(value) and (value >= lowest if inclusive else value > lowest)):
             bound = f"{'at least' if inclusive else 'above'} {lowest:g}"
             raise UserError(f"--{flag} must be a finite number {bound} ({meaning}), got {value}")

@@ -49,7 +49,7 @@ class OptimConfig:
         """`settings`: the run's RunSettings (--optimizer and --dtype as resolved, never auto);
         hidden_size: the model's (the config's: --from_weight's may decide it)."""
         return cls(optimizer=settings.optimizer, param_groups=args.param_groups, lr=args.learning_rate,
-                   weight_decay=args.weight_decay, betas=args.adam_betas, muon_lr=args.muon_lr,
+                   weight_decay=args.weight_decay, betas=args.adam_betas, muon_lr=settings.muon_lr,
                    muon_momentum=args.muon_momentum,
                    ns_dtype="bfloat16" if settings.dtype == "bfloat16" else "float32",
                    compile_update=device.type == "cuda", muon_ns=args.muon_ns, normuon=bool(settings.normuon),

@@ -1,5 +1,5 @@
 """What the flags leave to the machine or to the checkpoint, decided once at start-up:
---dtype, --optimizer, --lr_schedule and --normuon at auto become values, each with the
+--dtype, --optimizer, --lr_schedule, --normuon and --muon_lr at auto become values, each with the
 reason it is logged with, and the run uses these instead of the flags. The hardware facts
 come in as arguments (resolve_*), or are read from this machine (detect_*), so the rules
 are tested for every machine on any one."""
@@ -89,34 +89,43 @@ def resolve_optimizer(flag: str, device_type: str, dtype: str, cpu_flags=frozens
                     f"FLOPs, within the {allowed:.0%} it may")
 
 
-# The schedule and NorMuon under "auto": (a new run's, a checkpoint's that does not record it). A new
-# run takes what beat the cosine and plain Muon over 3 seeds (docs/time-to-quality.md); a checkpoint
-# written before the record named them trained with those older defaults.
-RECIPE_AUTO = {"lr_schedule": ("wsd", "cosine"), "normuon": (1, 0)}
+# The recipe's flags under "auto", each resolved by resolve_recipe.
+RECIPE_FLAGS = ("lr_schedule", "normuon", "muon_lr")
+# What a checkpoint whose record does not name one of them trained with: the default then.
+UNRECORDED = {"lr_schedule": "cosine", "normuon": 0, "muon_lr": 0.02}
 
 
-def resolve_recipe(name: str, flag, optimizer: str, resumed: dict | None = None) -> tuple:
-    """(value, why) of --lr_schedule or --normuon (`name`) at `flag`, once the optimizer is known.
+def fresh_recipe(hidden_size: int) -> dict:
+    """A new run's recipe under auto: what beat the older defaults over 3 seeds (docs/time-to-quality.md).
+    Muon's lr follows the width: 0.01 ended lower than 0.02 at hidden 256 and higher at 512 (both with
+    zero-initialised outputs), so 0.01 up to 256, 0.02 from 512, and a straight line between."""
+    muon_lr = 0.02 * min(1.0, max(0.5, hidden_size / 512))
+    return {"lr_schedule": "wsd", "normuon": 1, "muon_lr": round(muon_lr, 6)}
 
-    auto: a new run's value from RECIPE_AUTO; a resume keeps its checkpoint's (resumed: that
+
+def resolve_recipe(name: str, flag, optimizer: str, resumed: dict | None = None, *, hidden_size: int) -> tuple:
+    """(value, why) of one of RECIPE_FLAGS (`name`) at `flag`, once the optimizer and the model's
+    width are known.
+
+    auto: a new run's value from fresh_recipe; a resume keeps its checkpoint's (resumed: that
     checkpoint's record), so that a run trains on as it started, whatever this version's
     defaults are. An explicit value the checkpoint contradicts stops the run: its schedule or
     its optimizer state would change mid-run. NorMuon is Muon's: off under AdamW.
     """
     if name == "normuon" and optimizer != "muon":
         return 0, f"--optimizer {optimizer}: NorMuon is Muon's"
-    fresh, unrecorded = RECIPE_AUTO[name]
+    fresh = fresh_recipe(hidden_size)[name]
     if resumed and name in resumed and flag not in ("auto", resumed[name]):
         raise UserError(f"--{name} {flag}: the checkpoint this run resumes trained with --{name} {resumed[name]}; "
                         f"pass that (or auto), or start anew")
     if flag != "auto":
         return flag, f"--{name}"
     if not resumed:
-        return fresh, "auto: a new run's default, as docs/time-to-quality.md measured"
+        return fresh, f"auto: a new run's default (hidden {hidden_size}), as docs/time-to-quality.md measured"
     if name in resumed:
         return resumed[name], "auto: the checkpoint's it resumes"
-    return unrecorded, (f"auto: the checkpoint it resumes predates recording it, so its default then; "
-                        f"pass --{name} {fresh} if the run started with that")
+    return UNRECORDED[name], (f"auto: the checkpoint it resumes predates recording it, so its default then; "
+                              f"pass --{name} {fresh} if the run started with that")
 
 
 def muon_flop_share(config, tokens_per_step: int, seq_len: int) -> float:
@@ -154,6 +163,7 @@ class RunSettings:
     sharded: bool  # FSDP over several processes: sharded weights, optimizer state and checkpoints
     lr_schedule: str = "cosine"  # cosine | wsd
     normuon: int = 0  # 1: NorMuon (Muon only)
+    muon_lr: float = 0.02  # Muon's peak lr
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -166,14 +176,15 @@ class RunSettings:
 
     def as_flags(self, args, accumulation_steps: int) -> dict:
         """The flags with what the run resolved in place of auto and of the derived values
-        (what wandb records): the dtype, the optimizer, its schedule and NorMuon and, under
+        (what wandb records): the dtype, the optimizer, its schedule, NorMuon and Muon's lr and, under
         --global_batch_size, the accumulation steps it implies."""
         return {**vars(args), **self.record, "dtype": self.dtype, "accumulation_steps": accumulation_steps}
 
     @property
     def record(self) -> dict:
         """What each checkpoint's record names, so that a resume under "auto" trains on as it started."""
-        return {"optimizer": self.optimizer, "lr_schedule": self.lr_schedule, "normuon": self.normuon}
+        return {"optimizer": self.optimizer, "lr_schedule": self.lr_schedule, "normuon": self.normuon,
+                "muon_lr": self.muon_lr}
 
 
 def is_sharded(args, env) -> bool:
@@ -193,7 +204,8 @@ def resolve_settings(args, env, config, tokens_per_step: int, resumed: dict | No
                                       resumed.get("optimizer"))
     Logger(f"optimizer: {optimizer} ({why})")
     recipe = {}
-    for name in RECIPE_AUTO:
-        recipe[name], why = resolve_recipe(name, getattr(args, name), optimizer, resumed)
+    for name in RECIPE_FLAGS:
+        recipe[name], why = resolve_recipe(name, getattr(args, name), optimizer, resumed,
+                                           hidden_size=config.hidden_size)
         Logger(f"{name}: {recipe[name]} ({why})")
     return RunSettings(dtype, optimizer, sharded, **recipe)
