@@ -198,6 +198,7 @@ def test_a_resume_with_fewer_tokens_per_step_keeps_muon(tmp_path):
     ("muon_lr", 0.03, "muon", None, 0.03),
     ("muon_lr", "auto", "muon", {"muon_lr": 0.005}, 0.005),
     ("muon_lr", "auto", "muon", {"optimizer": "muon"}, 0.02),
+    ("muon_lr", 0.004, "muon", {"muon_lr": 0.01}, 0.004),  # a lower lr on a resume: the user's call
 ])
 def test_resolve_recipe(name, flag, optimizer, resumed, expected):
     assert settings.resolve_recipe(name, flag, optimizer, resumed, hidden_size=256)[0] == expected
@@ -219,10 +220,10 @@ def test_resolve_recipe_stops_where_the_checkpoint_says_otherwise():
 
 def test_a_run_started_on_other_defaults_resumes_as_it_started(tmp_path):
     """A run started with the cosine, plain Muon and Muon's lr at 0.02 (the defaults before wsd,
-    NorMuon and 0.01, or chosen) resumes under the new defaults (auto) on its own schedule, optimizer
-    and lr: bitwise the run it would have been uninterrupted. A flag that contradicts the checkpoint
-    stops in one line, and a record that predates naming them is taken at the old defaults, said in
-    the log."""
+    NorMuon and the lr by width, or chosen) resumes under the new defaults (auto) on its own
+    schedule, optimizer and lr: bitwise the run it would have been uninterrupted. A flag that
+    contradicts the checkpoint stops in one line, and a record that predates naming them is taken
+    at the old defaults, said in the log."""
     import json
 
     from tests.jobs import run_trainer

@@ -109,17 +109,20 @@ def resolve_recipe(name: str, flag, optimizer: str, resumed: dict | None = None,
 
     auto: a new run's value from fresh_recipe; a resume keeps its checkpoint's (resumed: that
     checkpoint's record), so that a run trains on as it started, whatever this version's
-    defaults are. An explicit value the checkpoint contradicts stops the run: its schedule or
-    its optimizer state would change mid-run. NorMuon is Muon's: off under AdamW.
+    defaults are. An explicit schedule or NorMuon that the checkpoint contradicts stops the run:
+    the schedule's shape or the optimizer state would change mid-run. An explicit Muon lr wins,
+    as --learning_rate does: lowering it on a resume is a user's call. NorMuon is Muon's: off
+    under AdamW.
     """
     if name == "normuon" and optimizer != "muon":
         return 0, f"--optimizer {optimizer}: NorMuon is Muon's"
     fresh = fresh_recipe(hidden_size)[name]
-    if resumed and name in resumed and flag not in ("auto", resumed[name]):
+    if resumed and name in resumed and flag not in ("auto", resumed[name]) and name != "muon_lr":
         raise UserError(f"--{name} {flag}: the checkpoint this run resumes trained with --{name} {resumed[name]}; "
                         f"pass that (or auto), or start anew")
     if flag != "auto":
-        return flag, f"--{name}"
+        was = f" (the checkpoint it resumes trained with {resumed[name]})" if resumed and name in resumed else ""
+        return flag, f"--{name}{was}"
     if not resumed:
         return fresh, f"auto: a new run's default (hidden {hidden_size}), as docs/time-to-quality.md measured"
     if name in resumed:
