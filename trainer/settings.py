@@ -93,6 +93,9 @@ def resolve_optimizer(flag: str, device_type: str, dtype: str, cpu_flags=frozens
 RECIPE_FLAGS = ("lr_schedule", "normuon", "muon_lr")
 # What a checkpoint whose record does not name one of them trained with: the default then.
 UNRECORDED = {"lr_schedule": "cosine", "normuon": 0, "muon_lr": 0.02}
+# Those a resume may not change: the schedule's shape, the optimizer state's layout. A given Muon
+# lr wins over the checkpoint's, as --learning_rate does: lowering it on a resume is a user's call.
+FIXED_ON_RESUME = ("lr_schedule", "normuon")
 
 
 def fresh_recipe(hidden_size: int) -> dict:
@@ -109,15 +112,13 @@ def resolve_recipe(name: str, flag, optimizer: str, resumed: dict | None = None,
 
     auto: a new run's value from fresh_recipe; a resume keeps its checkpoint's (resumed: that
     checkpoint's record), so that a run trains on as it started, whatever this version's
-    defaults are. An explicit schedule or NorMuon that the checkpoint contradicts stops the run:
-    the schedule's shape or the optimizer state would change mid-run. An explicit Muon lr wins,
-    as --learning_rate does: lowering it on a resume is a user's call. NorMuon is Muon's: off
-    under AdamW.
+    defaults are. An explicit value of FIXED_ON_RESUME that the checkpoint contradicts stops the
+    run. NorMuon is Muon's: off under AdamW.
     """
     if name == "normuon" and optimizer != "muon":
         return 0, f"--optimizer {optimizer}: NorMuon is Muon's"
     fresh = fresh_recipe(hidden_size)[name]
-    if resumed and name in resumed and flag not in ("auto", resumed[name]) and name != "muon_lr":
+    if name in FIXED_ON_RESUME and resumed and name in resumed and flag not in ("auto", resumed[name]):
         raise UserError(f"--{name} {flag}: the checkpoint this run resumes trained with --{name} {resumed[name]}; "
                         f"pass that (or auto), or start anew")
     if flag != "auto":
