@@ -1,71 +1,78 @@
-"""Resume checkpoints that survive kills, full disks and corrupt files: the one owner of
-what a checkpoint holds, where it lies and which one a resume takes.
+"""Resume checkpoints that survive kills, full disks and corrupt files: the one owner of what
+a checkpoint holds, where it lies and which one a resume takes, and of the start-up checks of
+the folders a run writes to.
 
-A checkpoint is one dict: {"format": FORMAT, "model_config": ...} plus what each Stateful
-part of the run adds (trainer/stateful.py: "model", "optimizer", "scaler", "rng"; and
-trainer/train_state.py's TrainState: "global_step", "tokens_seen", "world_size", the data
-position, ...). A part that gains a field saves and loads it itself, and names it in its
-`keys` if it cannot load without it; nothing here changes.
+A checkpoint is one dict: {"format": FORMAT, "model_config": ...} plus what each part of the run
+adds (trainer/train_state.py: "model", "optimizer", "scaler", "rng", and the TrainState's
+"global_step", "tokens_seen", "world_size", the data position, ...). Layout in --checkpoint_dir,
+for the run prefix `{save_weight}_{hidden}[_moe]`:
 
-Layout in --checkpoint_dir, for the run prefix `{save_weight}_{hidden}[_moe]`:
-
-    pretrain_512_resume_step0001200.pth        the checkpoint itself (torch.save of the dict)
-    pretrain_512_resume_step0001200.pth.json   its step, tokens trained, world size, and each file's
-                                               size and sha256 (hashed as it was written), written after it
-    pretrain_512_resume.pth -> ..._step0001200.pth   symlink to the newest, swapped atomically
+    pretrain_768_resume_step0001200.pth        the checkpoint itself (torch.save of the dict)
+    pretrain_768_resume_step0001200.pth.json   its record: step, tokens trained, world size, the run's
+                                               resolved config, and each file's size and sha256
+    pretrain_768_resume.pth -> ..._step0001200.pth   symlink to the newest, swapped atomically
 
 FSDP runs write `..._step0001200.dcp/` instead (and point `..._resume.dcp` at it): a
 torch.distributed.checkpoint folder of the model's and optimizer's shards (each rank writes
-its own) plus `trainer_state.pt` with the rest, and the same record beside it. Either kind
-loads into either kind of run, at any world size.
+its own) plus `trainer_state.pt` with the rest. Either kind loads into either kind of run.
 
-A checkpoint becomes visible only through os.replace of a finished temp file or folder,
-and the record comes after it, so a kill at any moment leaves every earlier checkpoint
-intact and the half-written one unrecorded (and therefore skipped). Newest means most
-tokens trained: step numbers are not comparable across world sizes.
+A checkpoint becomes visible only through os.replace of a finished temp file or folder, and
+its record comes after it, so a kill at any moment leaves every earlier checkpoint intact and
+the half-written one unrecorded (and skipped). A save that fails (a full disk, EIO) removes what
+it wrote, leaves the earlier checkpoints and the link as they were, and stops every rank with
+the same one line. At start-up rank 0 removes what a killed save left behind and warns when
+the disk cannot hold --keep_last more checkpoints. Newest means most tokens trained: step
+numbers are not comparable across world sizes.
 
-Only rank 0 writes a .pth and only rank 0 reads it back (and broadcasts it), so with
-DDP the checkpoint directory may be a disk of node 0's own.
+Only rank 0 writes a .pth and only rank 0 reads it back (and broadcasts it), so with DDP the
+checkpoint directory may be a disk of node 0's own.
 """
 import glob
 import hashlib
 import json
 import os
 import re
-import shutil
+import socket
+import tempfile
+import uuid
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
-from common.atomic import atomic_torch_save, atomic_write_text
 from common.errors import UserError
+from common.storage import (
+    StorageError, atomic_torch_save, atomic_write_text, free_bytes, remove_quietly, size_text, storage_error,
+)
 from trainer.distributed import TORCH_COLLECTIVES, Logger
-from trainer.stateful import ModelState
-from trainer.train_state import TrainState
+from trainer.train_state import ModelState, TrainState, write_weights
 
 FORMAT = "minimind-resume-v1"
 TRAINER_STATE = "trainer_state.pt"
 # Architecture fields a resumed run must agree on.
 CONFIG_KEYS = ("hidden_size", "num_hidden_layers", "use_moe", "vocab_size",
                "num_attention_heads", "num_key_value_heads", "intermediate_size")
+AFTER_A_FAILED_SAVE = ("free space there (or lower --keep_last, or pass another --checkpoint_dir), then relaunch "
+                       "with --from_resume 1: the checkpoints before this one are intact")
 
 
 class CheckpointManager:
     """Saves and resumes one run's checkpoints in `folder`, from and into its parts.
 
-    model: trainer/stateful.py's ModelState (the weights and optimizer state; under `sharded`
-    every rank writes its shards); parts: the other Stateful parts, in load order. A checkpoint
-    lacking an entry that the model or a part names in its `keys` is skipped, like a damaged one.
+    model: trainer/train_state.py's ModelState (the weights and optimizer state; under `sharded`
+    every rank writes its shards); parts: the other parts, in load order. A checkpoint lacking
+    an entry that the model or a part names in its `keys` is skipped, like a damaged one.
     weights_path: where each save also writes the half-precision inference weights (None: not).
-    Every rank calls save() and resume() with the same arguments: both are collectives.
+    config: the run's resolved config, written in every record. Every rank calls save() and
+    resume() with the same arguments: both are collectives.
     """
 
     def __init__(self, folder: str, prefix: str, model_config: dict, model, parts: dict, keep_last: int = 3,
                  sharded: bool = False, weights_path: str | None = None, collectives=TORCH_COLLECTIVES,
-                 run_record: dict | None = None):
+                 config: dict | None = None):
         self.folder, self.prefix, self.model_config = folder, prefix, model_config
         self.model, self.parts, self.keep_last, self.sharded = model, parts, keep_last, sharded
-        self.weights_path, self.collectives = weights_path, collectives
-        self.run_record = run_record or {}  # written in every record too: what a resume reads first
+        self.weights_path, self.collectives, self.config = weights_path, collectives, config
         self.needs = tuple(key for part in parts.values() for key in part.keys)
 
     # ------------------------------------------------------------------ saving
@@ -75,8 +82,7 @@ class CheckpointManager:
         finite = self.model.finite()  # a collective: a statement of its own, reached by every rank
         if not finite:
             raise RuntimeError("model weights are not finite; refusing to save a checkpoint")
-        if self.weights_path:
-            self.model.export(self.weights_path)
+        weights = self.model.full_weights() if self.weights_path else None  # every rank: a gather under FSDP
         state = {"format": FORMAT, "model_config": self.model_config}
         for part in self.parts.values():
             entries = part.state_dict()
@@ -84,41 +90,83 @@ class CheckpointManager:
                 raise ValueError(f"checkpoint parts both write {sorted(set(entries) & set(state))}")
             state.update(entries)
         path = step_path(self.folder, self.prefix, global_step, self.sharded)
-        weights = self.model.state_dict()
-        main = self.collectives.rank == 0
-        if main:
-            os.makedirs(self.folder, exist_ok=True)
-            _remove(f"{path}.tmp")  # debris of a save that was killed
-        if self.sharded:
-            self._write_shards(path, state, weights)
-        elif main:
-            written = atomic_torch_save(dict(state, **weights), path)
-            self._publish(path, state, {os.path.basename(path): written})
-        self.collectives.barrier()
+        shards = self.model.state_dict()
+        problem = self._write_shards(path, shards) if self.sharded else None
+        if problem is None and self.collectives.rank == 0:
+            problem = self._write(path, state, None if self.sharded else shards, weights)
+        problem = self.collectives.agree(problem)  # every rank stops, or goes on, together
+        if problem:
+            raise StorageError(problem)
         return path
 
-    def _write_shards(self, path, state, weights):
-        import torch.distributed.checkpoint as dcp
-
-        self.collectives.barrier()
-        dcp.save(weights, checkpoint_id=f"{path}.tmp")
-        self.collectives.barrier()
+    def _write_shards(self, path: str, shards: dict) -> str | None:
+        """Every rank writes its shards into `path`.tmp (DCP tells every rank if any failed)."""
         if self.collectives.rank == 0:
-            torch.save(state, os.path.join(f"{path}.tmp", TRAINER_STATE))
-            _remove(path)
-            os.replace(f"{path}.tmp", path)
-            # Every rank wrote shards through DCP's own writer: hash them by reading back.
-            self._publish(path, state, _file_records(path))
+            remove_quietly(f"{path}.tmp")  # debris of a save that was killed
+        self.collectives.barrier()
+        try:
+            dcp.save(shards, checkpoint_id=f"{path}.tmp")
+            return None
+        except CheckpointException as exc:
+            if self.collectives.rank == 0:
+                remove_quietly(f"{path}.tmp")
+            cause = next((e for e, _ in exc.failures.values() if isinstance(e, OSError)), None)
+            if cause is None:
+                raise
+            return str(storage_error(cause, "the checkpoint's shards", f"{path}.tmp", advice=AFTER_A_FAILED_SAVE))
 
-    def _publish(self, path, state, files):
-        """Rank 0, once `path` is complete: record it (`files`: {name: {size, sha256}}),
-        point `latest` at it, drop the oldest."""
-        record = {k: state[k] for k in TrainState.record_keys}
-        atomic_write_text(f"{path}.json", json.dumps({**record, **self.run_record, "files": files}))
-        _point_latest(self.folder, self.prefix, path)
+    def _write(self, path: str, state: dict, weights_state: dict | None, weights: dict | None) -> str | None:
+        """Rank 0: the checkpoint (a .pth, or the rest of a .dcp folder), the inference weights,
+        the record, the link, the rotation; on a failed write, what it wrote is removed again and
+        the one line returned."""
+        try:
+            if weights_state is None:  # a .dcp folder: its shards are in place
+                atomic_torch_save(state, os.path.join(f"{path}.tmp", TRAINER_STATE), "the checkpoint",
+                                  AFTER_A_FAILED_SAVE)
+                remove_quietly(path)
+                os.replace(f"{path}.tmp", path)
+                files = _file_records(path)  # every rank wrote shards through DCP's own writer
+            else:
+                written = atomic_torch_save(dict(state, **weights_state), path, "the checkpoint", AFTER_A_FAILED_SAVE)
+                files = {os.path.basename(path): written}
+            if weights is not None:
+                write_weights(weights, self.model.model.config, self.weights_path)
+            record = {k: state[k] for k in TrainState.record_keys}
+            atomic_write_text(f"{path}.json", json.dumps({**record, "config": self.config, "files": files}),
+                              "the checkpoint's record", advice=AFTER_A_FAILED_SAVE)
+            _point_latest(self.folder, self.prefix, path)
+        except StorageError as exc:
+            remove_quietly(f"{path}.json")
+            remove_quietly(path)
+            remove_quietly(f"{path}.tmp")
+            return str(exc)
         for old in list_checkpoints(self.folder, self.prefix)[max(1, self.keep_last):]:
-            _remove(f"{old}.json")  # unrecord first: a kill in between leaves an ignored leftover
-            _remove(old)
+            remove_quietly(f"{old}.json")  # unrecord first: a kill in between leaves an ignored leftover
+            remove_quietly(old)
+        return None
+
+    # ------------------------------------------------------------------ start-up
+    def tidy(self, estimated_bytes: int):
+        """Rank 0, who owns the disk: remove what a killed save of this run left behind, and warn
+        when the disk cannot hold --keep_last checkpoints of `estimated_bytes` (one more is
+        written before the oldest goes)."""
+        if self.collectives.rank != 0:
+            return
+        leftovers = glob.glob(os.path.join(glob.escape(self.folder), f"{glob.escape(self.prefix)}_resume*.tmp"))
+        if self.weights_path:
+            leftovers += [p for p in (f"{self.weights_path}.tmp", f"{os.path.splitext(self.weights_path)[0]}.json.tmp")
+                          if os.path.lexists(p)]
+        for path in leftovers:
+            remove_quietly(path)
+            Logger(f"removed {path}, left by a save that did not finish")
+        held = sum(_size_on_disk(p) for p in list_checkpoints(self.folder, self.prefix))
+        free, needed = free_bytes(self.folder), (self.keep_last + 1) * estimated_bytes
+        if free is not None and free + held < needed:
+            Logger(f"warning: --checkpoint_dir {self.folder} has {size_text(free)} free (and {size_text(held)} in "
+                   f"this run's checkpoints), but --keep_last {self.keep_last} needs about {size_text(needed)} "
+                   f"({self.keep_last + 1} x {size_text(estimated_bytes)}: those kept and the one being written); "
+                   f"a save that does not fit stops the run: free space, lower --keep_last or pass another "
+                   f"--checkpoint_dir")
 
     # ------------------------------------------------------------------ resuming
     def resume(self) -> dict | None:
@@ -129,7 +177,7 @@ class CheckpointManager:
             return None
         try:
             self.model.load_state_dict(saved)
-        except KeyError as missing:  # checkpoints that do not record their optimizer: newest_record()
+        except KeyError as missing:
             raise UserError(f"checkpoint {saved['path']}: its optimizer state has no {missing} for this run's "
                             f"optimizer; resume with the --optimizer and --param_groups it was trained with") from None
         try:
@@ -192,8 +240,8 @@ class CheckpointManager:
 
 def newest_record(folder: str, prefix: str, collectives=TORCH_COLLECTIVES) -> dict:
     """The record beside the newest checkpoint of `prefix` ({} when there is none): what a resume
-    must know before the model and optimizer exist, such as the optimizer the run trained with
-    (CheckpointManager's run_record). Rank 0 reads it and every rank gets it (a collective)."""
+    must know before the model and optimizer exist, the run's stored config above all. Rank 0
+    reads it and every rank gets it (a collective)."""
     record = {}
     if collectives.rank == 0:
         records = (_record_of(path) for path in list_checkpoints(folder, prefix))
@@ -216,12 +264,9 @@ def _extension(sharded: bool) -> str:
 
 
 def list_checkpoints(checkpoint_dir, prefix="*") -> list[str]:
-    """Step checkpoints (files and DCP folders) of this run, newest first.
-
-    Newest means most tokens trained, as recorded at save time: step numbers are not
-    comparable across world sizes (a step of 2 processes is 2 steps of 1). Unrecorded
-    ones (an interrupted save) sort last; they are skipped on load anyway.
-    """
+    """Step checkpoints (files and DCP folders) of this run, newest first: most tokens trained,
+    as recorded at save time (a step of 2 processes is 2 steps of 1). Unrecorded ones (an
+    interrupted save) sort last; they are skipped on load anyway."""
     pattern = os.path.join(glob.escape(checkpoint_dir), f"{prefix if prefix == '*' else glob.escape(prefix)}_resume_step*")
     paths = [p for p in glob.glob(pattern) if re.search(r"_resume_step\d+\.(pth|dcp)$", p)]
     return sorted(paths, key=_progress_of, reverse=True)
@@ -243,6 +288,12 @@ def _record_of(path) -> dict | None:
     return record if isinstance(record, dict) else None
 
 
+def _size_on_disk(path) -> int:
+    if os.path.isdir(path):
+        return sum(os.path.getsize(os.path.join(path, name)) for name in os.listdir(path))
+    return os.path.getsize(path) if os.path.exists(path) else 0
+
+
 def _sha256(path, chunk=1 << 22) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -255,13 +306,15 @@ def _point_latest(checkpoint_dir, prefix, target):
     sharded = target.endswith(".dcp")
     link = latest_path(checkpoint_dir, prefix, sharded)
     stale = latest_path(checkpoint_dir, prefix, not sharded)
-    if os.path.islink(stale):  # the run switched between DDP and FSDP
-        os.remove(stale)
-    tmp = f"{link}.tmp"
-    if os.path.lexists(tmp):
-        os.remove(tmp)
-    os.symlink(os.path.basename(target), tmp)
-    os.replace(tmp, link)
+    try:
+        if os.path.islink(stale):  # the run switched between DDP and FSDP
+            os.remove(stale)
+        remove_quietly(f"{link}.tmp")
+        os.symlink(os.path.basename(target), f"{link}.tmp")
+        os.replace(f"{link}.tmp", link)
+    except OSError as exc:
+        remove_quietly(f"{link}.tmp")
+        raise storage_error(exc, "the link", link, advice=AFTER_A_FAILED_SAVE) from None
 
 
 def _file_records(path) -> dict:
@@ -272,20 +325,9 @@ def _file_records(path) -> dict:
             for name in sorted(os.listdir(path))}
 
 
-def _remove(path):
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path)
-    elif os.path.lexists(path):
-        os.remove(path)
-
-
-def _load_trainer_state(path) -> dict:
-    state_file = os.path.join(path, TRAINER_STATE) if os.path.isdir(path) else path
-    return torch.load(state_file, map_location="cpu", weights_only=True)
-
-
 def verify_checkpoint(path: str, needs=(), weight_keys=ModelState.keys) -> dict:
-    """Load `path` if its record, checksums and keys check out; raise ValueError saying why not.
+    """Load `path` if its record, checksums and keys check out; raise ValueError saying why not
+    (a file the disk cannot read is one such reason).
 
     Keys: the format's own, the record's, `needs` (the entries the parts that will load it
     cannot do without: CheckpointManager.needs) and, in a .pth, the model's `weight_keys`.
@@ -297,9 +339,14 @@ def verify_checkpoint(path: str, needs=(), weight_keys=ModelState.keys) -> dict:
     try:
         with open(record_path) as f:
             recorded = json.load(f)["files"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except OSError as exc:
+        raise ValueError(f"its record {os.path.basename(record_path)} cannot be read ({exc.strerror})") from None
+    except (ValueError, KeyError, TypeError):
         raise ValueError(f"unreadable record {os.path.basename(record_path)}") from None
-    actual = _file_records(path)
+    try:
+        actual = _file_records(path)
+    except OSError as exc:
+        raise ValueError(f"cannot be read ({exc.strerror or exc})") from None
     for name, expected in recorded.items():
         if name not in actual:
             raise ValueError(f"{name} is missing")
@@ -307,8 +354,11 @@ def verify_checkpoint(path: str, needs=(), weight_keys=ModelState.keys) -> dict:
             raise ValueError(f"{name} has {actual[name]['size']} bytes, but {expected['size']} were written (truncated?)")
         if actual[name]["sha256"] != expected["sha256"]:
             raise ValueError(f"{name}: sha256 does not match the one recorded at save time (corrupt)")
+    state_file = os.path.join(path, TRAINER_STATE) if os.path.isdir(path) else path
     try:
-        state = _load_trainer_state(path)
+        state = torch.load(state_file, map_location="cpu", weights_only=True)
+    except OSError as exc:
+        raise ValueError(f"cannot be read ({exc.strerror or exc})") from None
     except Exception as exc:
         raise ValueError(f"does not unpickle ({type(exc).__name__})") from None
     required = {"format", "model_config", *TrainState.record_keys, *needs}
@@ -327,3 +377,60 @@ def check_config_matches(path: str, saved: dict, current: dict):
                 f"checkpoint {path} was saved with {key}={saved.get(key)}, but the flags give {key}={current.get(key)}; "
                 f"rerun with the flags it was trained with, or point --checkpoint_dir elsewhere to start fresh"
             )
+
+
+# ---------------------------------------------------------------------------- the folders, at start-up
+SHARED_MARKER = ".minimind_shared_check_"
+
+
+def check_output_dirs(save_dir: str, checkpoint_dir: str, sharded: bool, collectives=TORCH_COLLECTIVES):
+    """Create --save_dir and --checkpoint_dir and make sure they take files, on every rank
+    that writes there: rank 0 for weights, metrics and .pth checkpoints; every rank for
+    sharded (DCP) checkpoints, whose folder must also be one folder shared by all nodes.
+    Every rank calls this and all take the same decision; raises UserError on a problem.
+    Each check runs only when the ones before found nothing, on every rank alike."""
+    problem = None
+    if collectives.rank == 0:
+        problem = _writable_problem("--save_dir", save_dir) or _writable_problem("--checkpoint_dir", checkpoint_dir)
+    problem = collectives.agree(problem)
+    if sharded and not problem:
+        problem = collectives.agree(_writable_problem("--checkpoint_dir", checkpoint_dir))
+        if not problem:
+            problem = _check_shared(checkpoint_dir, collectives)
+    if problem:
+        raise UserError(problem)
+
+
+def _writable_problem(flag: str, path: str) -> str | None:
+    """Create `path` if needed and write a file in it; None if that works, else one line."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".minimind_write_check_"):
+            pass
+    except FileExistsError:
+        return f"{flag} {path}: is a file, not a folder: pass a folder path (it is created if missing)"
+    except OSError as exc:
+        return f"{flag} {path}: cannot create or write there ({exc.strerror or type(exc).__name__}): " \
+               f"pass a folder you can write to"
+    return None
+
+
+def _check_shared(checkpoint_dir: str, collectives) -> str | None:
+    """None if every rank sees the same --checkpoint_dir, else one line saying it is not shared.
+    Rank 0 writes a marker with a fresh name (a stale one from an earlier run must not count),
+    every rank looks for it after a barrier, and the answers are combined."""
+    marker = os.path.join(checkpoint_dir, SHARED_MARKER + collectives.broadcast(uuid.uuid4().hex))
+    if collectives.rank == 0:
+        with open(marker, "w"):
+            pass
+    collectives.barrier()
+    problem = None
+    if not os.path.exists(marker):
+        problem = (f"--checkpoint_dir {checkpoint_dir}: not shared by all nodes (rank {collectives.rank} on "
+                   f"{socket.gethostname()} cannot see a file rank 0 wrote there); --parallel fsdp saves every "
+                   f"rank's shard into one folder: pass a folder on a filesystem every node mounts at the same "
+                   f"path, or use --parallel ddp")
+    problem = collectives.agree(problem)  # a gather: once it returns, every rank has looked
+    if collectives.rank == 0:
+        os.remove(marker)
+    return problem

@@ -1,8 +1,11 @@
-"""Datasets, the resumable sampler and the loaders of the training stages (trainer/loop.py).
+"""Datasets, the resumable sampler and the loaders of the training stages (trainer/loop.py),
+and the global batches of every optimizer step.
 
 trainer/train_state.py says why every run, one process or many, reads its samples
 through a DistributedSampler, and where in the data each optimizer step starts.
 """
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,16 +74,17 @@ def open_dataset(path: str, flag: str, tokenizer, max_seq_len: int, vocab_size: 
     raise UserError(f"{flag} {path}: holds both .bin and .jsonl files; pass one kind")
 
 
-def build_data(args, tokenizer, vocab_size: int) -> TrainData:
+def build_data(cfg, tokenizer, vocab_size: int) -> TrainData:
     """Pre-training's samples: --data_path, and --val_data_path or the tail of --data_path."""
-    full = open_dataset(args.data_path, "--data_path", tokenizer, args.max_seq_len, vocab_size)
+    data, seq_len = cfg.data, cfg.model.max_seq_len
+    full = open_dataset(data.data_path, "--data_path", tokenizer, seq_len, vocab_size)
     packed = not isinstance(full, NextTokenTargets)
-    if args.val_data_path:
+    if data.val_data_path:
         # Either kind validates either kind of run: runs on padded and on packed data can
         # then be compared on one validation set (scripts/bench_quality.py does).
-        return TrainData(full, open_dataset(args.val_data_path, "--val_data_path", tokenizer, args.max_seq_len,
-                                            vocab_size), packed)
-    return split_tail(full, args.val_fraction, packed)
+        return TrainData(full, open_dataset(data.val_data_path, "--val_data_path", tokenizer, seq_len, vocab_size),
+                         packed)
+    return split_tail(full, data.val_fraction, packed)
 
 
 def open_conversations(path: str, flag: str, tokenizer, max_seq_len: int, vocab_size: int, options: ChatOptions):
@@ -95,20 +99,21 @@ def open_conversations(path: str, flag: str, tokenizer, max_seq_len: int, vocab_
                     f"scripts/prepare_data.py --sft makes of one")
 
 
-def build_sft_data(args, tokenizer, vocab_size: int) -> TrainData:
+def build_sft_data(cfg, tokenizer, vocab_size: int) -> TrainData:
     """Fine-tuning's samples: conversations from --data_path, and --val_data_path or the tail."""
-    options = ChatOptions(args.add_system_ratio, args.empty_think_ratio, args.seed)
-    full = open_conversations(args.data_path, "--data_path", tokenizer, args.max_seq_len, vocab_size, options)
+    data, seq_len = cfg.data, cfg.model.max_seq_len
+    options = ChatOptions(cfg.chat.add_system_ratio, cfg.chat.empty_think_ratio, cfg.optim.seed)
+    full = open_conversations(data.data_path, "--data_path", tokenizer, seq_len, vocab_size, options)
     packed = isinstance(full, PackedSFTDataset)
     val = None
-    if args.val_data_path:
-        val = open_conversations(args.val_data_path, "--val_data_path", tokenizer, args.max_seq_len, vocab_size,
+    if data.val_data_path:
+        val = open_conversations(data.val_data_path, "--val_data_path", tokenizer, seq_len, vocab_size,
                                  ChatOptions())  # held-out text as it is
     for name, dataset in (("--data_path", full), ("--val_data_path", val)):
         if dataset is not None and dataset.skipped:
             Logger(f"{name}: {dataset.skipped:,} conversations skipped: none of their complete turns within "
-                   f"--max_seq_len {args.max_seq_len} tokens holds an assistant reply")
-    return TrainData(full, val, packed) if val is not None else split_tail(full, args.val_fraction, packed)
+                   f"--max_seq_len {seq_len} tokens holds an assistant reply")
+    return TrainData(full, val, packed) if val is not None else split_tail(full, data.val_fraction, packed)
 
 
 def split_tail(full: Dataset, val_fraction: float, packed: bool) -> TrainData:
@@ -120,20 +125,14 @@ def split_tail(full: Dataset, val_fraction: float, packed: bool) -> TrainData:
     return TrainData(Subset(full, range(n_train)), Subset(full, range(n_train, len(full))), packed)
 
 
-def make_train_loader(dataset, sampler, args, pin_memory: bool) -> DataLoader:
+def make_train_loader(dataset, sampler, batch_size: int, num_workers: int, dist_timeout: float,
+                      pin_memory: bool) -> DataLoader:
     # A worker that stops delivering (its process alive, the thread that sends batches
     # dead) would leave the trainer waiting forever: past --dist_timeout the rank fails
     # instead, as it does when a peer stops answering in a collective.
-    return DataLoader(
-        dataset,
-        batch_size=args.batch_size,
-        sampler=sampler,
-        num_workers=args.num_workers,
-        pin_memory=pin_memory,
-        persistent_workers=args.num_workers > 0,
-        timeout=args.dist_timeout if args.num_workers > 0 else 0,
-        drop_last=False,
-    )
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
+                      persistent_workers=num_workers > 0, timeout=dist_timeout if num_workers > 0 else 0,
+                      drop_last=False)
 
 
 class LoaderStalled(RuntimeError):
@@ -158,10 +157,45 @@ def delivered_batches(loader, dist_timeout: float, rank: int):
         raise
 
 
-def make_val_loader(val_set, args, rank: int, world_size: int, pin_memory: bool) -> DataLoader:
+def make_val_loader(val_set, batch_size: int, eval_batches: int, rank: int, world_size: int,
+                    pin_memory: bool) -> DataLoader:
     """A fixed slice of the validation set, strided over ranks without padding, so no
     sample is counted twice; every rank gets as many batches (FSDP needs all of them in
     each forward)."""
-    n = min(len(val_set), args.eval_batches * args.batch_size * world_size) // world_size * world_size
-    return DataLoader(Subset(val_set, range(rank, n, world_size)), batch_size=args.batch_size,
+    n = min(len(val_set), eval_batches * batch_size * world_size) // world_size * world_size
+    return DataLoader(Subset(val_set, range(rank, n, world_size)), batch_size=batch_size,
                       num_workers=0, pin_memory=pin_memory)
+
+
+def global_batches(loader, sampler, plan, start_step: int, dist_timeout: float, rank: int):
+    """(epoch, micro-batches) of every optimizer step from `start_step` on, epoch after epoch:
+    each epoch's loader starts where that step's samples start (trainer/train_state.py)."""
+    step = start_step
+    while True:
+        where = plan.position(step)
+        sampler.set_epoch(where.epoch)
+        sampler.set_start(where.sampler_start)
+        batches = delivered_batches(loader, dist_timeout, rank)
+        for _ in range(plan.steps_per_epoch - where.step_in_epoch):
+            yield where.epoch, [next(batches) for _ in range(plan.accumulation_steps)]
+            step += 1
+
+
+# A Unix socket's path holds at most 107 bytes on Linux. multiprocessing, which DataLoader
+# workers use to hand batches over, binds its sockets at {tmp}/pymp-XXXXXXXX/listener-XXXXXXXX.
+MAX_WORKER_TMPDIR = 107 - len("/pymp-12345678/listener-12345678")
+
+
+def check_worker_tmpdir(num_workers: int):
+    """With DataLoader workers, the temp folder's path must be short enough for
+    multiprocessing's sockets. A longer one fails inside a worker's background thread,
+    not in the trainer, which would wait for its first batch forever. (Clusters often set
+    a long per-job TMPDIR.) Checked per process before any process group is made."""
+    if num_workers == 0:
+        return
+    tmp = tempfile.gettempdir()  # where multiprocessing puts them: TMPDIR, else TEMP, TMP, /tmp
+    length = len(os.fsencode(tmp))
+    if length > MAX_WORKER_TMPDIR:
+        raise UserError(f"--num_workers {num_workers}: the temp folder {tmp} (TMPDIR) is {length} bytes long, but "
+                        f"DataLoader workers pass batches through sockets under it that allow {MAX_WORKER_TMPDIR}: "
+                        f"set TMPDIR to a shorter folder, or pass --num_workers 0")

@@ -1,4 +1,5 @@
-"""What rank 0 reports: a log line, a JSONL metrics file, a progress bar, wandb.
+"""What a run reports about itself: rank 0's log line, JSONL metrics file, progress bar and
+wandb run, its throughput and MFU, and, on request, profiler traces and memory snapshots.
 
 MFU (model FLOPs utilisation) uses the usual estimate of training FLOPs per token:
 
@@ -22,7 +23,8 @@ from contextlib import contextmanager
 import torch
 from tqdm import tqdm
 
-from trainer.run_files import metrics_path
+from common.storage import StorageError, append_text, atomic_write_text
+from trainer.distributed import Logger, peer_lost
 
 # Dense (not 2:4 sparse) bf16 tensor-core peaks in TFLOP/s, matched against
 # torch.cuda.get_device_name(). The first pattern that matches wins, so a form factor
@@ -63,70 +65,28 @@ def peak_bf16_tflops(device_name: str) -> float | None:
     return None
 
 
-def device_peak_flops(device: torch.device, override_tflops: float = 0) -> float | None:
-    if override_tflops:
-        return override_tflops * 1e12
+def device_peak_flops(device: torch.device) -> float | None:
+    """The GPU's dense bf16 peak in FLOP/s, from PEAK_BF16_TFLOPS (None on a CPU or an unlisted GPU)."""
     if device.type != "cuda":
         return None
     tflops = peak_bf16_tflops(torch.cuda.get_device_name(device))
     return tflops * 1e12 if tflops else None
 
 
-class TrainClock:
-    """The run's one clock. Wall time since the loop started, and training time: wall time
-    less the pauses (validation, checkpoint saves). tokens/s and MFU are rates over training
-    time, the ETA extrapolates wall time (the pauses will recur), and time-to-loss plots use
-    training time (the val rows' train_s)."""
-
-    def __init__(self, device: torch.device = torch.device("cpu")):
-        self.cuda = device if device.type == "cuda" else None
-        self.start, self.paused_s = self._now(), 0.0
-
-    def _now(self) -> float:
-        # Wait for queued GPU work, so that it counts on the side of the clock it belongs to.
-        # Only read on steps that read the device anyway (logs, validation, saves).
-        if self.cuda is not None:
-            torch.cuda.synchronize(self.cuda)
-        return time.perf_counter()
-
-    def wall_seconds(self) -> float:
-        return self._now() - self.start
-
-    def training_seconds(self) -> float:
-        return self.wall_seconds() - self.paused_s
-
-    @contextmanager
-    def paused(self, active: bool = True):
-        """Leave the time of the block out of training time (inactive: no clock read, no GPU sync)."""
-        if not active:
-            yield
-            return
-        began = self._now()
-        try:
-            yield
-        finally:
-            self.paused_s += self._now() - began
-
-
 class Throughput:
-    """Tokens per second, all positions and real (non-pad) ones, since the last report,
-    over the clock's training time."""
+    """Tokens per second, all positions and real (non-pad) ones, since the last report, over
+    the run clock's training time (trainer/loop.py's TrainClock)."""
 
-    def __init__(self, tokens_per_step: int, clock: TrainClock):
+    def __init__(self, tokens_per_step: int, clock, step: int = 0, tokens_seen: int = 0):
         self.tokens_per_step, self.clock = tokens_per_step, clock
-        self._reset()
+        self.since, self.step, self.tokens_seen = clock.training_seconds(), step, tokens_seen
 
-    def _reset(self):
-        self.since, self.steps, self.real_tokens = self.clock.training_seconds(), 0, 0.0
-
-    def add(self, real_tokens: float, steps: int = 1):
-        self.steps += steps
-        self.real_tokens += real_tokens
-
-    def report(self) -> tuple[float, float]:
-        elapsed = self.clock.training_seconds() - self.since
-        rates = self.steps * self.tokens_per_step / elapsed, self.real_tokens / elapsed
-        self._reset()
+    def report(self, step: int, tokens_seen: int) -> tuple[float, float]:
+        """(tokens/s, real tokens/s) since the last report, which was at `self.step`."""
+        now = self.clock.training_seconds()
+        elapsed = now - self.since
+        rates = ((step - self.step) * self.tokens_per_step / elapsed, (tokens_seen - self.tokens_seen) / elapsed)
+        self.since, self.step, self.tokens_seen = now, step, tokens_seen
         return rates
 
 
@@ -143,10 +103,11 @@ def _wandb_key_available() -> bool:
 class RunLogger:
     """No-op on ranks other than 0, so the loop can call it unconditionally.
 
-    `state`: the run's TrainState (where it starts, its plan, its wandb run id);
-    `config`: the flags as the run resolved them, recorded by wandb."""
+    `path`: the metrics file; `run`: the config's run group (wandb, resume); `state`: the run's
+    TrainState (where it starts, its plan, its wandb run id); `config`: the resolved config, as
+    wandb records it."""
 
-    def __init__(self, args, prefix: str, state, config: dict, enabled: bool, clock: TrainClock,
+    def __init__(self, path: str, run, prefix: str, state, config: dict, enabled: bool, clock,
                  device: torch.device = torch.device("cpu")):
         self.enabled = enabled
         self.device, self.clock = device, clock
@@ -157,23 +118,31 @@ class RunLogger:
         self.wandb_run_id = state.wandb_run_id
         if not enabled:
             return
-        os.makedirs(args.save_dir, exist_ok=True)
-        self.path = metrics_path(args.save_dir, prefix)
-        self._truncate_after(start_step if args.from_resume else -1)
+        os.makedirs(run.save_dir, exist_ok=True)
+        self.path = path
+        self._truncate_after(start_step if run.from_resume else -1)
         self.bar = tqdm(total=self.total_steps, initial=start_step, desc="train", dynamic_ncols=True,
                         disable=not sys.stderr.isatty())
-        if args.use_wandb:
-            self._start_wandb(args.wandb_project, prefix, args.save_dir, config)
+        if run.use_wandb:
+            self._start_wandb(run.wandb_project, prefix, run.save_dir, config)
 
     def _truncate_after(self, step: int):
         """Drop rows a resumed run will redo (all rows for a fresh run)."""
-        if step < 0 or not os.path.exists(self.path):
-            open(self.path, "w").close()
-            return
-        with open(self.path) as f:
-            kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
-        with open(self.path, "w") as f:
-            f.writelines(kept)
+        kept = []
+        if step >= 0 and os.path.exists(self.path):
+            with open(self.path) as f:
+                kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+        try:
+            atomic_write_text(self.path, "".join(kept), "the metrics")
+        except StorageError as exc:
+            self._lose_metrics(exc)
+
+    def _lose_metrics(self, exc: StorageError):
+        """The metrics file is a copy of the log lines: a disk that refuses it costs the file, not
+        the run (a checkpoint save on the same disk stops the run instead: docs/fault-tolerance.md)."""
+        print(f"warning: {exc}; training goes on without the metrics file (the log lines hold the same figures)",
+              flush=True)
+        self.path = None
 
     def _start_wandb(self, project: str, prefix: str, save_dir: str, config: dict):
         import wandb
@@ -192,17 +161,16 @@ class RunLogger:
         print(f"wandb: run {self.wandb.id} ({mode})" + (", sync later with `wandb sync`" if mode == "offline" else ""),
               flush=True)
 
-    def step_done(self):
-        if self.enabled:
-            self.bar.update(1)
-
     def log(self, row: dict, line: str):
         if not self.enabled:
             return
         (self.bar.write if not self.bar.disable else print)(line)
         sys.stdout.flush()
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        if self.path:
+            try:
+                append_text(self.path, json.dumps(row) + "\n", "the metrics")
+            except StorageError as exc:
+                self._lose_metrics(exc)
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=row["step"])
 
@@ -212,6 +180,7 @@ class RunLogger:
         if not self.enabled:
             return
         memory = peak_memory_mib(self.device)
+        self.bar.update(step - self.bar.n)  # moved at log steps only, as the log line
         row = {"kind": "train", "step": step, "epoch": epoch, "tokens_seen": tokens_seen, "loss": loss,
                "aux_loss": aux, "lr": next(iter(lrs.values())), **{f"lr_{k}": v for k, v in lrs.items()},
                "tokens_per_s": tok_s, "nonpad_tokens_per_s": real_tok_s, "peak_mem_mib": memory}
@@ -252,3 +221,122 @@ class RunLogger:
         self.bar.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+# ---------------------------------------------------------------------------- profiling
+# --profile_steps A:B writes {save_dir}/profile/{prefix}_steps{A}-{B}_rank0.pt.trace.json.gz, a
+# Chrome trace (https://ui.perfetto.dev, or TensorBoard with torch-tb-profiler); --memory_snapshot 1
+# writes {prefix}_memory_rank{R}.pickle (and ..._memory_oom_step{N}_rank{R}.pickle), the CUDA
+# allocator's state with the stack of every allocation (https://pytorch.org/memory_viz), recorded
+# over the same steps (1:3 without --profile_steps) and again when the run dies out of memory.
+# Steps are counted as the log counts them: step 1 is the first optimizer step of the run.
+DEFAULT_MEMORY_WINDOW = (1, 3)
+MEMORY_EVENTS = 100_000  # the allocator's history is a ring buffer of the last this many events
+
+
+class Profiling:
+    """Starts and stops the profiler and the memory recorder around the loop's steps. The loop
+    calls step_begins(step) before optimizer step `step` and step_ended(step) after it, all
+    inside running(); a run that asks for neither has none (requested)."""
+
+    def __init__(self, folder: str, prefix: str, rank: int, device: torch.device, profile_steps, memory_snapshot: bool,
+                 start_step: int, total_steps: int):
+        self.folder, self.prefix, self.rank, self.cuda = folder, prefix, rank, device.type == "cuda"
+        # A window past the run's end ends with the run.
+        clip = lambda w: (w[0], min(w[1], total_steps)) if w and w[0] <= total_steps else None  # noqa: E731
+        self.window = clip(profile_steps) if rank == 0 else None
+        self.memory = bool(memory_snapshot)
+        self.memory_window = clip(profile_steps or DEFAULT_MEMORY_WINDOW) if self.memory else None
+        self.profiler, self.traced_from, self.recording = None, None, False
+        for what, window in (("--profile_steps", profile_steps), ("--memory_snapshot", self.memory_window)):
+            if window and window[1] <= start_step:
+                Logger(f"profile: {what} covers steps {window[0]}-{window[1]}, already trained (the run "
+                       f"resumes at step {start_step}); nothing is recorded")
+
+    @staticmethod
+    def requested(system) -> bool:
+        """Whether the config's system group asks for a trace or a memory snapshot."""
+        return bool(system.profile_steps or system.memory_snapshot)
+
+    def step_begins(self, step: int):
+        if self.window and self.profiler is None and self.window[0] <= step <= self.window[1]:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.cuda:
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            # A schedule that always records, so that each step is marked (ProfilerStep#N) in the trace.
+            self.profiler = torch.profiler.profile(activities=activities, record_shapes=True,
+                                                   schedule=lambda _: torch.profiler.ProfilerAction.RECORD)
+            self.profiler.step_num = step  # the marks then carry the log's step numbers
+            self.traced_from = step  # the window's first step, or the first after a resume inside it
+            self.profiler.start()
+        if self.memory_window and not self.recording and self.memory_window[0] <= step <= self.memory_window[1]:
+            torch.cuda.memory._record_memory_history(max_entries=MEMORY_EVENTS)
+            self.recording = True
+
+    def step_ended(self, step: int):
+        if self.profiler is not None and step < self.window[1]:
+            self.profiler.step()
+        elif self.profiler is not None:
+            self._write_trace(step)
+        if self.recording and step == self.memory_window[1]:
+            self._write_memory(step)
+
+    @contextmanager
+    def running(self, steps_done):
+        """Around the loop. A run that ends inside a window (preempted, stopped by a bad step or
+        an error) still writes what was recorded: up to its last finished step, steps_done(),
+        which names the file, and the part of the next step it ran. With --memory_snapshot an
+        out-of-memory error first writes the allocator's state (what holds the memory at that
+        moment; with the stack of each allocation only inside the window, where the history is
+        recorded). An error on the way out goes on up unchanged, whatever the writing does."""
+        try:
+            yield
+        except BaseException as exc:
+            if isinstance(exc, torch.OutOfMemoryError) and self.memory:
+                self._quietly(lambda: self._write_out_of_memory(steps_done() + 1))
+            # After a lost peer, stopping the profiler would wait on the GPU's hung collective.
+            if not peer_lost(exc):
+                self._quietly(lambda: self._close(steps_done()))
+            raise
+        self._close(steps_done())
+
+    def _close(self, last: int):
+        if self.profiler is not None:
+            self._write_trace(last)
+        if self.recording:
+            self._write_memory(last)
+
+    def _quietly(self, write):
+        try:
+            write()
+        except Exception as exc:  # noqa: BLE001 - the run's own error is the one to report
+            print(f"profile: could not write the profile of a failed run ({exc})", flush=True)
+
+    def _write_out_of_memory(self, step: int):
+        path = self._dump_memory(f"memory_oom_step{step}_rank{self.rank}.pickle")
+        print(f"profile: out of memory at step {step}; allocator snapshot in {path} (https://pytorch.org/memory_viz)",
+              flush=True)
+
+    def _write_trace(self, last: int):
+        last = max(last, self.traced_from)  # stopped inside its first step: that step, in part
+        self.profiler.stop()
+        path = self._path(f"steps{self.traced_from}-{last}_rank{self.rank}.pt.trace.json.gz")
+        self.profiler.export_chrome_trace(path)
+        self.profiler, self.window = None, None
+        Logger(f"profile: steps {self.traced_from}-{last} traced in {path} (https://ui.perfetto.dev, or "
+               f"tensorboard --logdir {self.folder})")
+
+    def _write_memory(self, last: int):
+        path = self._dump_memory(f"memory_rank{self.rank}.pickle")
+        torch.cuda.memory._record_memory_history(enabled=None)
+        self.recording, self.memory_window = False, None
+        Logger(f"profile: CUDA memory snapshot of steps up to {last} in {path} (https://pytorch.org/memory_viz)")
+
+    def _dump_memory(self, name: str) -> str:
+        path = self._path(name)
+        torch.cuda.memory._dump_snapshot(path)
+        return path
+
+    def _path(self, name: str) -> str:
+        os.makedirs(self.folder, exist_ok=True)
+        return os.path.join(self.folder, f"{self.prefix}_{name}")

@@ -20,11 +20,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.errors import UserError  # noqa: E402
 from dataset.demo_sft import DEMO_SFT, ensure_demo_sft  # noqa: E402
 from trainer.data import build_sft_data  # noqa: E402
 from trainer.loop import Stage, run  # noqa: E402
 
+# Fine-tuning's defaults, where they differ from pre-training's (trainer/config.py).
 SFT_DEFAULTS = {
     "save_weight": "full_sft", "from_weight": "pretrain", "data_path": str(DEMO_SFT),
     "wandb_project": "MiniMind-Full-SFT", "epochs": 2, "batch_size": 16, "max_seq_len": 768,
@@ -34,7 +34,6 @@ SFT_DEFAULTS = {
     "lr_schedule": "cosine", "normuon": 0,
     "doc_mask": 1,  # packed windows hold several conversations: each attends to itself only
 }
-
 
 SFT_HELP = {
     "data_path": "conversations: a .jsonl of MiniMind's {\"conversations\": [...]} lines (padded), or the .bin "
@@ -46,39 +45,14 @@ SFT_HELP = {
                  "scored with validation",
 }
 
-
-def conversation_flags(p):
-    chat = p.add_argument_group("conversations")
-    chat.add_argument("--add_system_ratio", type=float, default=0.0,
-                      help="the share of conversations without a system turn (and without tools) that get one of "
-                           "dataset/sft_dataset.py's system prompts, drawn per sample from --seed (MiniMind: 0.2)")
-    chat.add_argument("--empty_think_ratio", type=float, default=1.0,
-                      help="the share of samples whose assistant turns keep an empty <think> block, as the chat "
-                           "template renders them (MiniMind: 0.2)")
-
-
-def check_conversation_args(args):
-    for flag in ("add_system_ratio", "empty_think_ratio"):
-        value = getattr(args, flag)
-        if not 0 <= value <= 1:
-            raise UserError(f"--{flag} must be a share from 0 to 1, got {value}")
-    augments = args.add_system_ratio > 0 or args.empty_think_ratio < 1
-    if augments and Path(args.data_path).suffix == ".bin":
-        raise UserError(f"--data_path {args.data_path}: a packed file holds its conversations rendered once, as the "
-                        f"template renders them; --add_system_ratio and --empty_think_ratio draw when a .jsonl "
-                        f"line is read: pass the .jsonl, or drop them")
-
-
 SFT = Stage(
-    name="train_full_sft.py",
     description="MiniMind supervised fine-tuning on conversations (single process, torchrun DDP/FSDP, multi-node)",
     build_data=build_sft_data,
     demo_data=DEMO_SFT,
     build_demo=ensure_demo_sft,
+    groups=("run", "optim", "model", "data", "chat", "system"),
     defaults=SFT_DEFAULTS,
     help=SFT_HELP,
-    add_flags=conversation_flags,
-    check_args=check_conversation_args,
     chat=True,
 )
 

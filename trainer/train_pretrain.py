@@ -6,9 +6,9 @@
     python -m torch.distributed.launch --nproc_per_node=N trainer/train_pretrain.py   # legacy launcher
 
 The loop is trainer/loop.py's, which supervised fine-tuning (trainer/train_full_sft.py)
-shares; what is pre-training's own is its data: text, as JSONL lines padded to
---max_seq_len or as packed windows (trainer/data.py), by default the demo corpus of
-standard-library docstrings, built on first use.
+shares; its flags are trainer/config.py's. What is pre-training's own is its data: text, as
+JSONL lines padded to --max_seq_len or as packed windows (trainer/data.py), by default the
+demo corpus of standard-library docstrings, built on first use.
 """
 import sys
 from pathlib import Path
@@ -16,12 +16,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dataset.demo_corpus import DEMO_CORPUS, ensure_demo_corpus  # noqa: E402
+from trainer.config import PRETRAIN_DESCRIPTION  # noqa: E402
 from trainer.data import build_data  # noqa: E402
 from trainer.loop import Stage, run  # noqa: E402
 
 PRETRAIN = Stage(
-    name="train_pretrain.py",
-    description="MiniMind pre-training (single process, torchrun DDP/FSDP, multi-node)",
+    description=PRETRAIN_DESCRIPTION,
     build_data=build_data,
     demo_data=DEMO_CORPUS,
     build_demo=ensure_demo_corpus,

@@ -1,10 +1,11 @@
-"""The shared module of the training scripts, where MiniMind users look for its entry
-points: get_lr, Logger, is_main_process, init_distributed_mode, setup_seed, init_model and
-lm_checkpoint. Each is the very function the trainer uses (tests/test_trainer_utils.py
-fails otherwise): the seeding and model construction are defined here, the rest where
-their concept lives (the LR schedule in trainer/optim.py, the process group in
-trainer/distributed.py, checkpoints in trainer/checkpoint.py) and exported here by name.
-Nothing in trainer/ imports this module back, so there is no cycle."""
+"""The shared module of the training scripts, where MiniMind users look for its entry points:
+get_lr, Logger, is_main_process, init_distributed_mode, setup_seed, init_model and
+lm_checkpoint. As in MiniMind, the seeding and the model's construction are defined here (the
+loop builds its model with them); the rest are defined where their concept lives (the schedule
+in trainer/optim.py, the process group in trainer/distributed.py, checkpoints in
+trainer/checkpoint.py) and exported here by name, the very functions the trainer uses
+(tests/test_trainer_utils.py fails otherwise). Only trainer/loop.py imports this module, so
+there is no cycle."""
 import random
 
 import numpy as np
@@ -15,13 +16,15 @@ from model.model_minimind import MiniMindConfig, MiniMindForCausalLM, count_para
 from model.shape_flags import resolve_config
 from model.weights import build_model, load_weights, read_sidecar
 from trainer.checkpoint import CheckpointManager
+from trainer.config import initial_weights
 from trainer.distributed import Logger, init_distributed_mode, is_main_process
 from trainer.optim import get_lr
-from trainer.run_files import initial_weights
-from trainer.stateful import ModelState
+from trainer.train_state import ModelState
 
 __all__ = ["get_lr", "Logger", "is_main_process", "init_distributed_mode", "setup_seed", "init_model",
-           "model_config_from_args", "lm_checkpoint"]
+           "model_config", "zero_output_projections", "lm_checkpoint"]
+
+SHAPE_FLAGS = ("hidden_size", "num_hidden_layers", "use_moe", "vocab_size")  # the model group's shape flags
 
 
 def setup_seed(seed: int):
@@ -34,22 +37,19 @@ def setup_seed(seed: int):
         torch.cuda.manual_seed_all(seed)
 
 
-def model_config_from_args(args, vocab_size: int) -> MiniMindConfig:
-    """The model the flags describe, or the config stored beside the weights --from_weight names
-    (x.pth -> x.json), which decides the shape flags not typed; typed ones must agree with it."""
-    from_weight = initial_weights(args)
+def model_config(cfg, typed=frozenset(SHAPE_FLAGS)) -> MiniMindConfig:
+    """The model the config describes, or the config stored beside the weights --from_weight
+    names (x.pth -> x.json), which decides the shape flags not typed (`typed`: the flags the
+    command line gave); typed ones must agree with it."""
+    from_weight = initial_weights(cfg)
     stored = read_sidecar(from_weight) if from_weight else None  # raises WeightsError, a UserError
     if stored is not None:
-        config = resolve_config(stored, args.model_flags, f"--from_weight {from_weight}")
+        given = {name: getattr(cfg.model, name) if name in typed else None for name in SHAPE_FLAGS}
+        config = resolve_config(stored, given, f"--from_weight {from_weight}")
         config.flash_attn = True
         return config
-    return MiniMindConfig(
-        hidden_size=args.hidden_size,
-        num_hidden_layers=args.num_hidden_layers,
-        vocab_size=vocab_size,
-        use_moe=bool(args.use_moe),
-        flash_attn=True,
-    )
+    return MiniMindConfig(hidden_size=cfg.model.hidden_size, num_hidden_layers=cfg.model.num_hidden_layers,
+                          vocab_size=cfg.model.vocab_size, use_moe=bool(cfg.model.use_moe), flash_attn=True)
 
 
 def init_model(config: MiniMindConfig, from_weight: str | None = None, device="cpu") -> MiniMindForCausalLM:

@@ -1,4 +1,8 @@
-"""Downstream accuracy on a multiple-choice task, scored with our own model code.
+"""What the run is scored on: the held-out loss and bits per byte (evaluate), and downstream
+accuracy on a multiple-choice task, scored with our own model code; validate() runs both.
+
+Bits per byte is the held-out NLL in bits over the UTF-8 bytes of the targets' text
+(dataset/token_bytes.py): unlike loss per token it does not depend on the tokenizer.
 
 A task file is JSONL, one item per line (dataset/tasks/ ships one, built by
 scripts/build_eval_task.py):
@@ -39,9 +43,12 @@ import torch
 import torch.nn.functional as F
 
 from common.errors import DataError
+from common.labels import IGNORE_INDEX
 from dataset.chat import generation_prompt
 from dataset.lm_dataset import iter_raw_lines, load_json_line
+from dataset.token_bytes import bits_per_byte, target_bytes
 from trainer.distributed import all_reduce_sum
+from trainer.step import attention_mask
 
 TARGET_DELIMITER = " "  # lm-eval's default, and what dataset/tasks/*.yaml use
 
@@ -259,3 +266,39 @@ def evaluate_task_in_group(net, items: list[EncodedItem], device, autocast, rank
     if not sharded:
         all_reduce_sum(counts)
     return DownstreamResult.from_counts(counts)
+
+
+# -----------------------------------------------------------------------------
+# in the training loop
+
+def validate(parts, val_loader, task, device, rank: int, world_size: int, byte_lengths, sharded: bool):
+    """(val loss and bits per byte, the task's scores), each None where the run has no such data.
+    Both are collectives: every rank calls this at the same steps. parts: the loop's TrainParts."""
+    val, scores = None, None
+    if val_loader is not None:
+        val = evaluate(parts.net, val_loader, parts.autocast, device, byte_lengths, parts.doc_mask, parts.bos_id)
+    if task is not None:
+        scores = evaluate_task_in_group(parts.net, task, device, parts.autocast, rank, world_size, sharded)
+    return val, scores
+
+
+@torch.no_grad()
+def evaluate(net, val_loader, autocast, device, byte_lengths, doc_mask: bool = False,
+             bos_id: int | None = None) -> tuple[float, float]:
+    """(mean token loss, bits per byte) over the fixed validation slice of (input ids, next-token
+    targets[, document starts]), summed over all ranks, with the attention training has;
+    dataset/token_bytes.py says which targets and bytes count."""
+    net.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
+    for batch in val_loader:
+        batch = [t.to(device) for t in batch]
+        x, targets = batch[0], batch[1]
+        with autocast:
+            out = net(x, attention_mask=attention_mask(batch, doc_mask, bos_id), shift_labels=targets,
+                      num_items_in_batch=1)  # a sum, not a mean
+        totals += torch.stack([out.loss.double(), (targets != IGNORE_INDEX).sum().double(),
+                               target_bytes(targets, byte_lengths).double()])
+    net.train()
+    all_reduce_sum(totals)
+    nll, tokens, n_bytes = totals.tolist()
+    return nll / max(tokens, 1), bits_per_byte(nll, n_bytes)

@@ -1,6 +1,6 @@
-"""The argument parser every script shares: bad flags get one line, not a usage dump.
+"""The argument parser every script shares: a bad flag gets one line, not a usage dump.
 
-Kept free of heavy imports so that light scripts (plot_loss.py) stay quick to start.
+Free of heavy imports, so that light scripts (plot_loss.py) stay quick to start.
 """
 import argparse
 import sys

@@ -1,0 +1,158 @@
+"""Writing files so that neither a kill nor a full or failing disk leaves one half done, and
+the one line a failed write becomes.
+
+Every file the trainer and the scripts write goes through here: a temp file beside the target,
+fsync, then os.replace over the target, so that readers see the old file or the new one. A
+write that fails (an OSError: no space left, a quota, EIO, a read-only or vanished mount)
+removes its temp file and raises StorageError, whose text is one line naming what was being
+written and where, what the error means, the free space there against what the write
+needed, and what to do.
+"""
+import errno
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from common.errors import UserError
+
+
+class StorageError(UserError):
+    """A write (or read) the disk refused: one line, like every UserError."""
+
+
+def free_bytes(path) -> int | None:
+    """Free bytes on the filesystem holding `path` (or its nearest existing folder); None if unknown."""
+    path = Path(os.path.abspath(path))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def size_text(n: int | None) -> str:
+    if n is None:
+        return "an unknown amount"
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:,} {unit}" if unit == "bytes" else f"{n:,.1f} {unit}"
+        n /= 1024
+
+
+def storage_error(exc: OSError, what: str, path, needed: int | None = None, advice: str = "") -> StorageError:
+    """The one line for `exc`, raised while writing `what` to `path` (`needed`: its size, where known)."""
+    meaning = os.strerror(exc.errno).lower() if exc.errno else str(exc)
+    space = f"{size_text(free_bytes(path))} free there"
+    if needed:
+        space += f", {size_text(needed)} needed"
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        advice = advice or "free space on that disk or write elsewhere"
+    else:
+        advice = advice or "check that disk and its mount, or write elsewhere"
+    return StorageError(f"cannot write {what} {path}: {meaning} ({space}); {advice}")
+
+
+def remove_quietly(path):
+    """Remove a file or folder if it is there; a failure to remove is not the error to report."""
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        elif os.path.lexists(path):
+            os.remove(path)
+    except OSError:
+        pass
+
+
+def tensor_bytes(obj) -> int:
+    """Bytes of every tensor in nested dicts, lists and tuples: what a torch.save of `obj` needs, about."""
+    if torch.is_tensor(obj):
+        return obj.nbytes
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+class _HashingFile:
+    """The file torch.save writes to, hashing the bytes on their way through (the checkpoint's
+    record then costs no second read), and keeping the OSError of a failed write: torch's zip
+    writer turns it into a RuntimeError about positions."""
+
+    def __init__(self, f):
+        self._f, self._digest, self.size, self.error = f, hashlib.sha256(), 0, None
+
+    def write(self, data) -> int:
+        try:
+            written = self._f.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+        self._digest.update(data)  # hashlib releases the GIL for large blocks
+        self.size += memoryview(data).nbytes
+        return written
+
+    def flush(self):
+        self._f.flush()
+
+    def record(self) -> dict:
+        return {"size": self.size, "sha256": self._digest.hexdigest()}
+
+
+def atomic_write(path, write, what: str, mode: str = "wb", shared: bool = False, needed: int | None = None,
+                 advice: str = ""):
+    """Call write(f) on a temp file beside `path`, fsync it, then rename it over `path`; returns
+    what write returned. On failure the temp file is gone and StorageError says so in one line.
+    `shared`: processes on several machines may write `path` at once, so each writes a temp
+    file of its own, named after its host and pid, and the renames cannot interleave."""
+    tmp = f"{path}.{os.uname().nodename}.{os.getpid()}.tmp" if shared else f"{path}.tmp"
+    try:
+        with open(tmp, mode) as f:
+            result = write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return result
+    except (OSError, RuntimeError) as exc:
+        remove_quietly(tmp)
+        cause = getattr(exc, "storage_cause", None) or exc
+        if not isinstance(cause, OSError):
+            raise
+        raise storage_error(cause, what, path, needed, advice) from None
+
+
+def atomic_torch_save(obj, path, what: str = "the file", advice: str = "") -> dict:
+    """torch.save `obj` to `path` atomically. Returns the file's {size, sha256}, hashed as written."""
+
+    def write(f):
+        hashing = _HashingFile(f)
+        try:
+            torch.save(obj, hashing)
+        except RuntimeError as exc:
+            exc.storage_cause = hashing.error  # the disk's own error, when that is what it was
+            raise
+        return hashing.record()
+
+    return atomic_write(path, write, what, needed=tensor_bytes(obj), advice=advice)
+
+
+def atomic_write_bytes(path, data: bytes, what: str = "the file", advice: str = ""):
+    atomic_write(path, lambda f: f.write(data), what, needed=len(data), advice=advice)
+
+
+def atomic_write_text(path, text: str, what: str = "the file", shared: bool = False, advice: str = ""):
+    atomic_write(path, lambda f: f.write(text), what, mode="w", shared=shared, needed=len(text.encode()),
+                 advice=advice)
+
+
+def append_text(path, text: str, what: str = "the file"):
+    """Append `text` to `path` (a log: no temp file); StorageError on failure."""
+    try:
+        with open(path, "a") as f:
+            f.write(text)
+    except OSError as exc:
+        raise storage_error(exc, what, path, len(text.encode())) from None
