@@ -18,7 +18,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from common.atomic import atomic_write_text
+from common.storage import atomic_write_text
 from dataset.demo_corpus import DEFAULT_TIMEOUT, _run_worker, discover_modules
 
 HERE = Path(__file__).resolve().parent

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common.atomic import atomic_write_text
+from common.storage import atomic_write_text
 from common.errors import DataError
 from dataset.packed_dataset import DTYPES, PackedPretrainDataset, read_meta
 from dataset.sources import resolve_data_paths

@@ -7,10 +7,10 @@ from .model_minimind import MiniMindConfig
 
 # The config fields the scripts expose as --flags; everything else comes from the defaults.
 SHAPE_FLAGS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "use_moe")
-# The default model of every script, trainer/args.py included: hidden 512 x 8 layers
-# (MiniMindConfig's own default hidden size is 768). One table, so that a default
-# training run and default script runs find each other's files.
-FLAG_DEFAULTS = {"hidden_size": 512, "num_hidden_layers": 8}
+# The default model of every script, trainer/config.py included: MiniMind's own default, hidden
+# 768 x 8 layers (MiniMind-3, 64M parameters). One table, so that a default training run and
+# default script runs find each other's files.
+FLAG_DEFAULTS = {"hidden_size": 768, "num_hidden_layers": 8}
 
 
 def flag_default(name):

@@ -27,7 +27,7 @@ from torch.nn.attention.flex_attention import create_block_mask  # noqa: E402
 
 from model.document_mask import dense_document_mask, document_block_mask, document_ids  # noqa: E402
 from model.model_minimind import Attention, MiniMindConfig  # noqa: E402
-from trainer.cli import OneLineArgumentParser  # noqa: E402
+from common.cli import OneLineArgumentParser  # noqa: E402
 
 BOS = 1
 MEAN_DOC_TOKENS = 143  # demo corpus: 268,432 tokens in 1,874 documents

@@ -36,7 +36,7 @@ def worker(tree: str, args):
 
     from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
     from trainer.checkpoint import CheckpointManager
-    from trainer.stateful import ModelState
+    from trainer.train_state import ModelState
     from trainer.train_state import StepPlan, TrainState
 
     torch.manual_seed(0)

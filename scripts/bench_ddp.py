@@ -34,8 +34,8 @@ import torch.multiprocessing as mp  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
-from trainer.cli import OneLineArgumentParser  # noqa: E402
-from trainer.parallel import no_buffer_sync  # noqa: E402
+from common.cli import OneLineArgumentParser  # noqa: E402
+from trainer.distributed import no_buffer_sync  # noqa: E402
 
 TRAINERS = dict(gradient_as_bucket_view=True, **no_buffer_sync())
 VARIANTS = {

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
-from trainer.cli import OneLineArgumentParser  # noqa: E402
+from common.cli import OneLineArgumentParser  # noqa: E402
 from trainer.device import native_bf16_cpu_flags, read_cpu_flags  # noqa: E402
 from trainer.optim import OptimConfig, build_optimizer  # noqa: E402
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from common.labels import IGNORE_INDEX  # noqa: E402
 from model.loss import ChunkedCrossEntropy, chunk_elements  # noqa: E402
-from trainer.cli import OneLineArgumentParser  # noqa: E402
+from common.cli import OneLineArgumentParser  # noqa: E402
 
 
 def parse_args(argv=None):

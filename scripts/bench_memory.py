@@ -21,7 +21,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from trainer.run_files import run_prefix  # noqa: E402
+from trainer.config import run_prefix  # noqa: E402
 
 
 def parse_args():

@@ -33,9 +33,9 @@ import torch.multiprocessing as mp  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
-from trainer.cli import OneLineArgumentParser  # noqa: E402
+from common.cli import OneLineArgumentParser  # noqa: E402
 from trainer.device import native_bf16_cpu_flags, read_cpu_flags  # noqa: E402
-from trainer.muon import Muon  # noqa: E402
+from trainer.optim import Muon  # noqa: E402
 from trainer.optim import is_block_matrix  # noqa: E402
 
 # name: (optimizer class, Newton-Schulz dtype, whether its work is split across ranks, NorMuon)

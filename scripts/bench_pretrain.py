@@ -46,7 +46,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from dataset.demo_corpus import DEMO_CORPUS as DEMO_JSONL  # noqa: E402
-from trainer.run_files import run_prefix  # noqa: E402
+from trainer.config import run_prefix  # noqa: E402
 
 TRAIN = REPO_ROOT / "trainer" / "train_pretrain.py"
 DEMO_BIN = DEMO_JSONL.with_suffix(".bin")

@@ -55,10 +55,10 @@ from dataset.demo_corpus import DEMO_CORPUS, ensure_demo_corpus  # noqa: E402
 from dataset.lm_dataset import load_tokenizer  # noqa: E402
 from model.weights import load_model  # noqa: E402
 from scripts.build_eval_task import main as build_task, task_misfit  # noqa: E402
-from trainer.args import build_parser as trainer_parser  # noqa: E402
-from trainer.cli import OneLineArgumentParser  # noqa: E402
-from trainer.downstream import encode_task, evaluate_task, load_task  # noqa: E402
-from trainer.run_files import run_prefix  # noqa: E402
+from trainer.config import TrainConfig  # noqa: E402
+from common.cli import OneLineArgumentParser  # noqa: E402
+from trainer.evaluate import encode_task, evaluate_task, load_task  # noqa: E402
+from trainer.config import run_prefix  # noqa: E402
 
 DEFAULT_TASK = REPO_ROOT / "dataset" / "tasks" / "minimind_heldout.jsonl"  # cut from the demo corpus's split
 
@@ -133,7 +133,7 @@ def variant_table(args) -> dict:
 
 def run_seeds(args) -> list[int]:
     """The trainer --seed of each run of a variant: its default, and the next ones for --seeds N."""
-    first = trainer_parser().get_default("seed")
+    first = TrainConfig().optim.seed
     return list(range(first, first + args.seeds))
 
 

@@ -47,7 +47,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from common.atomic import atomic_write_text  # noqa: E402
+from common.storage import atomic_write_text  # noqa: E402
 from common.errors import report_user_errors  # noqa: E402
 from common.errors import DataError  # noqa: E402
 from dataset.lm_dataset import iter_jsonl_texts, iter_raw_lines  # noqa: E402

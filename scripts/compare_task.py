@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.errors import report_user_errors  # noqa: E402
 from dataset.lm_dataset import load_tokenizer  # noqa: E402
 from model.weights import load_model  # noqa: E402
-from trainer.cli import OneLineArgumentParser  # noqa: E402
-from trainer.downstream import choice_logprobs, encode_task, judge, load_task  # noqa: E402
+from common.cli import OneLineArgumentParser  # noqa: E402
+from trainer.evaluate import choice_logprobs, encode_task, judge, load_task  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -32,14 +32,14 @@ from safetensors.torch import save, save_file
 from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers.utils import logging as hf_logging
 
-from common.atomic import atomic_torch_save, atomic_write_bytes, atomic_write_text
+from common.storage import atomic_torch_save, atomic_write_bytes, atomic_write_text
 from common.errors import UserError, WeightsError, report_user_errors
 from model.model_minimind import MiniMindForCausalLM, register_auto_classes
 from model.hf_format import hf_to_state_dict, qwen3_config_from_minimind
 from model.shape_flags import SHAPE_FLAGS, config_flags, flag_default, format_flags
 from model.weights import build_model, load_model, sidecar_path, sidecar_text
-from trainer.cli import OneLineArgumentParser
-from trainer.run_files import default_weight_path
+from common.cli import OneLineArgumentParser
+from trainer.config import default_weight_path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "added_tokens.json", "chat_template.jinja")

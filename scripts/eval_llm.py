@@ -40,10 +40,10 @@ from dataset.lm_dataset import frame_document, iter_jsonl_texts, iter_raw_lines,
 from dataset.token_bytes import bits_per_byte, target_bytes, token_byte_lengths
 from model.shape_flags import SHAPE_FLAGS, flag_default
 from model.weights import load_model
-from trainer.cli import OneLineArgumentParser
+from common.cli import OneLineArgumentParser
 from trainer.device import resolve_device
-from trainer.downstream import encode_task, evaluate_task, load_task
-from trainer.run_files import default_weight_path
+from trainer.evaluate import encode_task, evaluate_task, load_task
+from trainer.config import default_weight_path
 
 
 class TextStreamer:
@@ -159,7 +159,7 @@ def conversation_loss(model, tokenizer, path, max_seq_len=512, batch_size=8):
     from torch.utils.data import DataLoader
 
     from dataset.sft_dataset import SFTDataset
-    from trainer.loop import evaluate
+    from trainer.evaluate import evaluate
 
     data = SFTDataset(path, tokenizer, max_seq_len, flag="--ppl_data")
     device = next(model.parameters()).device

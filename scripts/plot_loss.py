@@ -20,7 +20,7 @@ matplotlib.use("Agg")  # files only; works without a display
 import matplotlib.pyplot as plt  # noqa: E402
 
 from common.errors import UserError, report_user_errors  # noqa: E402
-from trainer.cli import OneLineArgumentParser  # noqa: E402
+from common.cli import OneLineArgumentParser  # noqa: E402
 
 
 class MetricsError(UserError, ValueError):

@@ -9,6 +9,7 @@ noise in near-zero gradients into lr-sized differences; with SGD the updated wei
 are a direct, amplified image of the averaged gradients.
 """
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -16,8 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
-from trainer.step import StepContext, optimizer_step  # noqa: E402
 from trainer.distributed import cleanup_distributed, init_distributed_mode  # noqa: E402
+from trainer.step import TrainParts, optimizer_step  # noqa: E402
 
 GLOBAL_BATCH, SEQ = 8, 32
 
@@ -46,7 +47,8 @@ def main(out_path, batch, accum):
     micro = [(ids[mine[i * batch:(i + 1) * batch]], labels[mine[i * batch:(i + 1) * batch]]) for i in range(accum)]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    result = optimizer_step(StepContext(net, optimizer, scaler, env.device, env.world_size, bos_id=1), micro)
+    parts = TrainParts(model, net, optimizer, scaler, nullcontext(), env.device, env.world_size, bos_id=1)
+    result = optimizer_step(parts, micro)
     if env.rank == 0:
         torch.save({"loss": result.mean_loss(), "weights": model.state_dict()}, out_path)
     del net, model, optimizer

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from scripts.launching import REPO_ROOT, kill_tree
+from tests.fault_injection import install_from_env
 from tests.jobs import run_env
 
 _CONTEXT = multiprocessing.get_context("forkserver")
@@ -169,6 +170,7 @@ def _run_rank(script: str, argv: list, run_dir: str, env: dict, log_path: str):
     os.chdir(run_dir)
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
     sys.argv = [script, *argv]
+    install_from_env(env)  # the fault its environment plans, if any (tests/fault_injection.py)
     try:
         runpy.run_path(script, run_name="__main__")
     except (SystemExit, KeyboardInterrupt):

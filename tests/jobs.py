@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from scripts.launching import PYTHON, TORCHRUN, TRAIN, kill_tree
-from trainer.preflight import MAX_WORKER_TMPDIR
+from tests.fault_injection import install_from_env
+from trainer.data import MAX_WORKER_TMPDIR
 
 MODES = ("inprocess", "forked", "python", "torchrun", "legacy")
 
@@ -255,7 +256,7 @@ def run_env(run_dir, extra=None) -> dict:
     # The launched runs are CPU runs: with a GPU visible, a 2-process job would put rank 1
     # on cuda:1 (absent on a 1-GPU machine), and scripts without --device would use cuda:0.
     env["CUDA_VISIBLE_DEVICES"] = ""
-    for key in [k for k in env if k.startswith(("MINIMIND_FAULT", "MINIMIND_STEP_HOOKS"))]:
+    for key in [k for k in env if k.startswith("MINIMIND_FAULT")]:
         del env[key]
     env.update(extra or {})
     return env
@@ -293,6 +294,7 @@ def run_in_process(fn, run_dir, env=None, timeout: int = 240) -> Finished:
         with redirect_stdout(out), redirect_stderr(out), warnings.catch_warnings():
             warnings.resetwarnings()
             warnings.showwarning = _show_warning
+            undo_faults = install_from_env(new_env)  # tests/fault_injection.py, where the env plans one
             try:
                 fn()
                 code = 0
@@ -303,6 +305,9 @@ def run_in_process(fn, run_dir, env=None, timeout: int = 240) -> Finished:
             except Exception:
                 traceback.print_exc()
                 code = 1
+            finally:
+                if undo_faults:
+                    undo_faults()
     finally:
         signal.alarm(0)
         os.environ.clear()

@@ -1,12 +1,11 @@
-"""Three Muon steps (trainer/muon.py) on the tiny model's block matrices with fixed
+"""Three Muon steps (trainer/optim.py) on the tiny model's block matrices with fixed
 gradients, in one process or split over the ranks of a process group: DDP replicas (each
 rank orthogonalises its share) or FSDP2 shards (each matrix's owner works on the whole
 matrix). Saves the final full weights and the Newton-Schulz matmul FLOPs this rank ran.
 
     python tests/muon_worker.py OUT_PREFIX none|ddp|fsdp [OPTIONS]      (the tests fork its ranks)
 
-OPTIONS: "all" turns on every option of Muon's update (Polar Express, NorMuon, cautious weight
-decay); without it, torch.optim.Muon's update. Every rank gives each parameter the same full
+OPTIONS: "normuon" turns NorMuon on; without it, torch.optim.Muon's update. Every rank gives each parameter the same full
 gradient (FSDP: its shard of it), so the three layouts must end with the same weights.
 """
 import sys
@@ -19,20 +18,14 @@ from torch.distributed.tensor import DTensor, distribute_tensor  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
-from trainer.distributed import cleanup_distributed, init_distributed_mode  # noqa: E402
-from trainer.muon import Muon  # noqa: E402
-from trainer.optim import is_block_matrix  # noqa: E402
-from trainer.parallel import replica_group, wrap_model  # noqa: E402
+from trainer.distributed import cleanup_distributed, init_distributed_mode, replica_group, wrap_model  # noqa: E402
+from trainer.optim import Muon, is_block_matrix  # noqa: E402
 
 STEPS = 3
 
 
 def gradient(step: int, index: int, shape) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(1000 * step + index)) * 1e-2
-
-
-# Every option of Muon's update on, for the tests of their split across ranks.
-ALL_OPTIONS = dict(ns_method="polar_express", normuon=True, cautious_wd=True)
 
 
 def main(out_prefix: str, layout: str, options: str = ""):
@@ -46,7 +39,7 @@ def main(out_prefix: str, layout: str, options: str = ""):
     matrices = [(n, p) for n, p in model.named_parameters() if is_block_matrix(n, p)]
     optimizer = Muon([p for _, p in matrices], lr=0.02, weight_decay=0.01,
                      process_group=replica_group(env, "ddp") if layout == "ddp" else None,
-                     **(ALL_OPTIONS if options == "all" else {}))
+                     normuon=options == "normuon")
     flops = 0
     for step in range(STEPS):
         for index, (_, p) in enumerate(matrices):

@@ -1,5 +1,5 @@
 """What a test run left behind: the flags that say where (out_args), its metrics rows and
-its checkpoints, named as the trainer names them (trainer/run_files.py, trainer/checkpoint.py)."""
+its checkpoints, named as the trainer names them (trainer/config.py, trainer/checkpoint.py)."""
 import json
 import os
 import re
@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from trainer.checkpoint import latest_path, step_path
-from trainer.run_files import metrics_path
+from trainer.config import metrics_path
 
 PREFIX = "pretrain_64"  # the tiny runs' --save_weight pretrain, --hidden_size 64
 

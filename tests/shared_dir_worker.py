@@ -1,4 +1,4 @@
-"""Run trainer/preflight.check_output_dirs in 2 processes (torchrun, or the tests' forked
+"""Run trainer/checkpoint.check_output_dirs in 2 processes (torchrun, or the tests' forked
 ranks) and record what each rank decided.
 
     torchrun --standalone --nproc_per_node=2 tests/shared_dir_worker.py ROOT
@@ -12,8 +12,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.preflight import check_output_dirs  # noqa: E402
 from common.errors import UserError  # noqa: E402
+from trainer.checkpoint import check_output_dirs  # noqa: E402
 from trainer.distributed import cleanup_distributed, init_distributed_mode  # noqa: E402
 
 

@@ -9,8 +9,8 @@ from scripts.bench_quality import (
     VARIANTS, at_time, first_reach, parse_args, report, report_seeds, run_seeds, seed_run, variant_table,
 )
 from scripts.launching import REPO_ROOT
-from trainer.args import parse_args as trainer_args
-from trainer.downstream import DownstreamResult
+from trainer.config import parse_config
+from trainer.evaluate import DownstreamResult
 
 
 def test_a_variant_flag_is_b_defaults_plus_its_flags_in_order():
@@ -32,7 +32,7 @@ def test_a_minimind_is_the_readmes_recipe_line_on_padded_jsonl():
     kind, flags = VARIANTS["a_minimind"]
     assert kind == "jsonl"  # MiniMind's padded path
     assert flags == recipe
-    parsed = trainer_args(["--data_path", "x.jsonl", *flags])  # and the trainer reads it as MiniMind's AdamW
+    parsed = parse_config(["--data_path", "x.jsonl", *flags])[0].optim  # and the trainer reads it as MiniMind's AdamW
     assert (parsed.optimizer, parsed.param_groups, parsed.adam_betas, parsed.lr_schedule) == \
         ("adamw", "single", (0.9, 0.999), "cosine")
 

@@ -240,7 +240,9 @@ def test_a_global_batch_without_a_reply_has_a_zero_loss_not_nan():
     """Every target -100 (a window of conversations whose replies were all cut): no 0 / 0. The
     step is taken, with a zero loss and zero gradients, and nothing turns NaN."""
     from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-    from trainer.step import StepContext, optimizer_step
+    from contextlib import nullcontext
+
+    from trainer.step import TrainParts, optimizer_step
 
     torch.manual_seed(0)
     model = MiniMindForCausalLM(MiniMindConfig(hidden_size=64, num_hidden_layers=1, vocab_size=512))
@@ -249,7 +251,8 @@ def test_a_global_batch_without_a_reply_has_a_zero_loss_not_nan():
     ids = torch.randint(3, 512, (2, 16))
     starts = torch.zeros(2, 16, dtype=torch.bool)
     starts[:, 0] = True
-    context = StepContext(model, optimizer, scaler, torch.device("cpu"), 1, doc_mask=True, bos_id=1)
+    context = TrainParts(model, model, optimizer, scaler, nullcontext(), torch.device("cpu"), 1, doc_mask=True,
+                         bos_id=1)
     before = [p.detach().clone() for p in model.parameters()]
     result = optimizer_step(context, [(ids, torch.full_like(ids, -100), starts)])
     assert not result.skipped and result.stats.tolist() == [0.0, 0.0, 0.0]

@@ -9,9 +9,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.host_reads import CountHostReads
-from common.atomic import atomic_torch_save
-from trainer.parallel import weights_finite
-from trainer.save_schedule import SaveSchedule
+from common.storage import atomic_torch_save
+from trainer.distributed import weights_finite
+from trainer.loop import SaveClock
 
 
 def test_the_record_hashed_while_writing_is_the_file_on_disk(tmp_path):
@@ -51,35 +51,33 @@ class FakeClock:
         return self.now
 
 
-def test_save_schedule_steps_and_minutes():
+def test_the_save_clock_asks_every_minutes_on_rank_0_only():
     clock = FakeClock()
-    saves = SaveSchedule(every_steps=100, every_minutes=1.0, clock=clock)
+    saves = SaveClock(1.0, is_main=True, clock=clock)
     clock.now = 59.0
-    assert not saves.clock_asks()  # a minute has not passed
+    assert not saves.due()  # a minute has not passed
     clock.now = 61.0
-    assert saves.clock_asks()
-    assert saves.due(11, asked=True) and not saves.due(11, asked=False)
+    assert saves.due()
     saves.saved()
     clock.now = 100.0
-    assert not saves.clock_asks()  # 39 s since that save
-    assert saves.due(100, asked=False)  # the step interval holds regardless of the clock
-    assert not SaveSchedule(every_steps=100, clock=clock).clock_asks()  # no --save_every_minutes: steps only
+    assert not saves.due()  # 39 s since that save
+    assert not SaveClock(0, is_main=True, clock=clock).due()  # no --save_every_minutes: steps only
     clock.now = 1e6
-    assert not SaveSchedule(every_steps=100, every_minutes=1.0, is_main=False, clock=clock).clock_asks()
+    assert not SaveClock(1.0, is_main=False, clock=clock).due()
 
 
 def _schedule_worker(rank, tmp_dir):
     """Two ranks, each with its own clock, run the step's agreement on what each asked."""
     dist.init_process_group("gloo", init_method=f"file://{tmp_dir}/init", rank=rank, world_size=2)
     clock = FakeClock()
-    saves = SaveSchedule(every_steps=1000, every_minutes=1.0, is_main=rank == 0, clock=clock)
+    saves = SaveClock(1.0, is_main=rank == 0, clock=clock)
     answers = []
     # Rank 1's clock says a minute passed long before rank 0's does: rank 0 decides.
-    for step, (t0, t1) in enumerate([(10, 70), (30, 500), (61, 0), (62, 62)], start=1):
+    for t0, t1 in [(10, 70), (30, 500), (61, 0), (62, 62)]:
         clock.now = t0 if rank == 0 else t1
-        asked = torch.tensor(float(saves.clock_asks()))
+        asked = torch.tensor(float(saves.due()))
         dist.all_reduce(asked)  # what trainer/step.py's flags tensor carries, with the rest
-        answers.append(saves.due(step, bool(asked.item())))
+        answers.append(bool(asked.item()))
     torch.save(answers, f"{tmp_dir}/answers{rank}.pt")
     dist.destroy_process_group()
 

@@ -10,8 +10,8 @@ from tests.assertions import assert_clean_exit, max_abs_diff
 from tests.jobs import JobSpec, run_all
 from tests.run_outputs import checkpoint_name, latest_checkpoint, load_checkpoint, out_args
 from tests.tiny import THREE_STEPS
-from trainer.args import parse_args
-from trainer.trainer_utils import model_config_from_args, setup_seed
+from trainer.config import parse_config
+from trainer.trainer_utils import model_config, setup_seed
 
 STEPS = 3
 BASE = THREE_STEPS  # lr 5e-4 and a long --dist_timeout: see tests/tiny.py
@@ -37,7 +37,8 @@ def test_compiled_ddp_and_fsdp_match_eager_ddp(tmp_path, shared_runs):
     assert max_abs_diff(compiled_ddp, eager) <= 1e-5
     assert max_abs_diff(compiled_fsdp, eager) <= 1e-5
     # Not vacuous: three steps moved the weights far beyond the tolerance from where they began.
-    setup_seed(parse_args(BASE).seed)
-    initial = MiniMindForCausalLM(model_config_from_args(parse_args(BASE), 6400)).state_dict()
+    cfg = parse_config(BASE)[0]
+    setup_seed(cfg.optim.seed)
+    initial = MiniMindForCausalLM(model_config(cfg)).state_dict()
     key = "model.embed_tokens.weight"
     assert (eager[key] - initial[key]).abs().max() > 1e-4

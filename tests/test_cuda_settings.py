@@ -5,7 +5,7 @@ import torch
 
 from trainer.device import configure_cuda
 from trainer.distributed import init_distributed_mode
-from trainer.parallel import no_buffer_sync
+from trainer.distributed import no_buffer_sync
 
 
 @pytest.fixture

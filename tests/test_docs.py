@@ -5,7 +5,7 @@ import re
 
 from scripts.flags_table import table
 from scripts.launching import REPO_ROOT
-from trainer.args import MINIMIND_FLAGS, build_parser
+from trainer.config import MINIMIND_FLAGS, build_parser
 from trainer.train_full_sft import SFT
 
 README = (REPO_ROOT / "README.md").read_text()
@@ -25,7 +25,13 @@ def test_the_readme_names_minimind_s_flags_and_stays_short():
     assert len(MINIMIND_FLAGS) == 22
     missing = [flag for flag in MINIMIND_FLAGS if f"--{flag}" not in README]
     assert not missing, missing
-    assert len(README.splitlines()) <= 320
+    assert len(README.splitlines()) <= 300
+
+
+def test_the_pages_of_figures_stay_within_their_bounds():
+    """The design and one table of today's figures each, not a notebook of every run."""
+    for name in ("performance.md", "time-to-quality.md"):
+        assert len(DOCS[REPO_ROOT / "docs" / name].splitlines()) <= 250, name
 
 
 def test_every_linked_file_exists():

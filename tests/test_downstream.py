@@ -20,7 +20,7 @@ from tests.assertions import assert_clean_exit
 from tests.jobs import JobSpec, run_all
 from tests.run_outputs import latest_checkpoint, out_args, read_metrics
 from tests.tiny import CLI_FLAGS, FLAGS, TINY, ensure_demo_corpus, train_tiny
-from trainer.downstream import (
+from trainer.evaluate import (
     DownstreamResult, EncodedItem, TaskItem, choice_logprobs, count_correct, encode_item, encode_task,
     evaluate_task, load_task, shard,
 )

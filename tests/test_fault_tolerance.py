@@ -264,7 +264,7 @@ def test_a_repeated_signal_is_an_echo_at_first_and_kills_later(tmp_path):
     code = f"""if True:
         import os, signal, sys, time
         sys.path.insert(0, {str(Path(TRAIN).parents[1])!r})
-        from trainer.preemption import PreemptionFlag
+        from trainer.loop import PreemptionFlag
         flag = PreemptionFlag()
         flag.repeat_grace_s = 0.5
         flag.install()

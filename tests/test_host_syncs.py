@@ -15,11 +15,11 @@ from tests.host_reads import CountHostReads
 from tests.jobs import run_in_process
 from tests.run_outputs import out_args
 from tests.tiny import small_corpus
-from trainer.args import parse_args
-from trainer.step import read_flags
-from trainer.loop import train
-from trainer.train_pretrain import PRETRAIN
+from trainer.config import parse_config
 from trainer.distributed import init_distributed_mode
+from trainer.loop import train
+from trainer.step import read_flags
+from trainer.train_pretrain import PRETRAIN
 
 FAR = "1000"  # log, save and eval intervals beyond the run: only the last step does them
 
@@ -33,13 +33,13 @@ def corpora(tmp_path_factory):
 def host_reads(data_path, run_dir, steps) -> int:
     """Host reads of a whole train() run, made in this process (run_in_process puts back the
     globals train() changes) so that the dispatch mode sees every read."""
-    args = parse_args(["--hidden_size", "64", "--num_hidden_layers", "2", "--max_seq_len", "64",
+    cfg, typed = parse_config(["--hidden_size", "64", "--num_hidden_layers", "2", "--max_seq_len", "64",
                        "--batch_size", "4", "--num_workers", "0", "--val_fraction", "0.05", "--eval_batches", "1",
                        "--device", "cpu", "--data_path", str(data_path), *out_args(run_dir), "--max_steps", str(steps),
                        "--log_interval", FAR, "--save_interval", FAR, "--eval_interval", FAR])
-    env = init_distributed_mode(args.device, args.dist_timeout, args.local_rank)
+    env = init_distributed_mode(cfg.system.device, cfg.system.dist_timeout, cfg.system.local_rank)
     with CountHostReads() as counter:
-        done = run_in_process(lambda: sys.exit(train(args, env, PRETRAIN)), run_dir)
+        done = run_in_process(lambda: sys.exit(train(cfg, typed, env, PRETRAIN)), run_dir)
     assert done.returncode == 0, done.stdout[-3000:]
     return counter.reads
 

@@ -1,8 +1,8 @@
-"""The import direction of the packages, read from the source: `tests` may import anything;
+"""The shape of the code, read from the source and from runs: `tests` may import anything;
 `scripts` the product packages but never `tests`; `trainer` imports `model`, `dataset` and
 `common`; `model` and `dataset` import only `common` (and themselves), which imports nothing
-of the repository. And no two modules import each other at load time, directly or through
-others."""
+of the repository; no two modules import each other at load time, directly or through others.
+And a reader follows one optimizer step, or one save, through a handful of files, none long."""
 import ast
 import sys
 from pathlib import Path
@@ -91,3 +91,27 @@ def test_the_check_sees_a_cycle_and_a_wrong_way_import(tmp_path, monkeypatch):
     assert "scripts.bench imports tests.jobs" in str(wrong_way.value)
     with pytest.raises(AssertionError, match="import cycle"):
         test_no_import_cycle_at_load_time()
+
+
+PRODUCT = ("common", "model", "dataset", "trainer")
+# The bounds a reader holds us to: files one optimizer step and one checkpoint save run through
+# (scripts/call_paths.py: 8 and 6 when these bounds were set, from 17 and 11), the modules of
+# trainer/, and the lines of a product file.
+STEP_FILES, SAVE_FILES, TRAINER_MODULES, MAX_LINES = 8, 6, 16, 450
+
+
+@pytest.mark.slow
+def test_one_step_and_one_save_run_through_a_handful_of_files():
+    from scripts.call_paths import measure
+
+    paths = measure()
+    assert 0 < len(paths["step"]) <= STEP_FILES, sorted(paths["step"])
+    assert 0 < len(paths["save"]) <= SAVE_FILES, sorted(paths["save"])
+    assert "trainer/checkpoint.py" in paths["save"] and "trainer/optim.py" in paths["step"]  # it measures a save, a step
+
+
+def test_trainer_holds_few_modules_and_no_product_file_is_long():
+    assert len([p for p in (REPO_ROOT / "trainer").glob("*.py") if p.stem != "__init__"]) <= TRAINER_MODULES
+    long = [f"{p.relative_to(REPO_ROOT)} ({n} lines)" for package in PRODUCT for p in (REPO_ROOT / package).rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES]
+    assert not long, long

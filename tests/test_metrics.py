@@ -1,5 +1,5 @@
-"""MFU's inputs: the GPU peak looked up by device name, and a clock that counts training
-time only (validation and checkpoint saves left out)."""
+"""MFU's inputs: the GPU peak looked up by device name, and the loop's clock, which counts
+training time only (validation and checkpoint saves left out)."""
 import json
 import time
 
@@ -8,7 +8,7 @@ import torch
 
 from tests.helpers_data import SAMPLE_TEXTS
 from tests.jobs import run_trainer
-from trainer import loop, metrics
+from trainer import loop
 from trainer.checkpoint import CheckpointManager
 from trainer.metrics import Throughput, device_peak_flops, peak_bf16_tflops
 
@@ -44,9 +44,8 @@ def test_unknown_gpus_have_no_peak(name):
     assert peak_bf16_tflops(name) is None
 
 
-def test_peak_override_and_cpu():
+def test_a_cpu_has_no_peak():
     assert device_peak_flops(torch.device("cpu")) is None
-    assert device_peak_flops(torch.device("cpu"), override_tflops=100) == 100e12
 
 
 class FakeClock:
@@ -59,22 +58,17 @@ class FakeClock:
 
 def test_one_clock_leaves_paused_time_out_of_training_time_and_rates(monkeypatch):
     fake = FakeClock()
-    monkeypatch.setattr(metrics.time, "perf_counter", fake)
-    clock = metrics.TrainClock()
+    monkeypatch.setattr(loop.time, "perf_counter", fake)
+    clock = loop.TrainClock()
     meter = Throughput(tokens_per_step=100, clock=clock)
-    meter.add(real_tokens=80)
-    fake.now += 2  # training
+    fake.now += 2  # training: step 1, 80 real tokens
     with clock.paused():
         fake.now += 50  # a validation or a save
-    with clock.paused(active=False):
-        fake.now += 0  # steps with neither: no clock read at all
-    meter.add(real_tokens=80)
-    fake.now += 2  # training
+    fake.now += 2  # training: step 2, 80 real tokens
     assert (clock.training_seconds(), clock.wall_seconds()) == (4, 54)  # tokens/s and train_s; the ETA
-    assert meter.report() == (200 / 4, 160 / 4)
+    assert meter.report(step=2, tokens_seen=160) == (200 / 4, 160 / 4)
     fake.now += 1
-    meter.add(real_tokens=100)
-    assert meter.report() == (100, 100)  # report() starts the next interval
+    assert meter.report(step=3, tokens_seen=260) == (100, 100)  # report() starts the next interval
 
 
 def test_trainer_rates_exclude_validation_and_checkpoint_time(tmp_path, monkeypatch):
@@ -84,7 +78,7 @@ def test_trainer_rates_exclude_validation_and_checkpoint_time(tmp_path, monkeypa
     data.write_text("".join(json.dumps({"text": t * 3}) + "\n" for t in SAMPLE_TEXTS * 8))
     clock = {"offset": 0.0}
     real_counter = time.perf_counter
-    monkeypatch.setattr(metrics.time, "perf_counter", lambda: real_counter() + clock["offset"])
+    monkeypatch.setattr(loop.time, "perf_counter", lambda: real_counter() + clock["offset"])
 
     def slow(fn):
         def wrapped(*args, **kwargs):
@@ -92,7 +86,7 @@ def test_trainer_rates_exclude_validation_and_checkpoint_time(tmp_path, monkeypa
             return fn(*args, **kwargs)
         return wrapped
 
-    monkeypatch.setattr(loop, "evaluate", slow(loop.evaluate))
+    monkeypatch.setattr(loop, "validate", slow(loop.validate))
     monkeypatch.setattr(CheckpointManager, "save", slow(CheckpointManager.save))
     run = run_trainer([
         "--data_path", str(data), "--device", "cpu", "--hidden_size", "64", "--num_hidden_layers", "2",

@@ -1,8 +1,7 @@
-"""trainer/muon.py: torch.optim.Muon's update, batched by shape, split across ranks (DDP
-and FSDP2), in the run's precision, compiled without recompiles, and resumable bitwise
-(also from a checkpoint torch.optim.Muon wrote); with its options on (Polar Express, NorMuon,
-cautious weight decay) split and resumed likewise. What each option computes is
-tests/test_muon_options.py's."""
+"""trainer/optim.py's Muon: torch.optim.Muon's update, batched by shape, split across ranks
+(DDP and FSDP2), in the run's precision, compiled without recompiles, and resumable bitwise
+(also from a checkpoint torch.optim.Muon wrote); with NorMuon on, split and resumed likewise.
+What NorMuon computes is tests/test_muon_options.py's."""
 import pytest
 import torch
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_newton_schulz
@@ -14,9 +13,8 @@ from tests.jobs import run_trainer
 from tests.run_outputs import latest_checkpoint, latest_link, out_args
 from tests.tiny import TINY
 from tests.fault_injection import fault_env
-from trainer.muon import Muon, shard_rows, stacks_of
-from trainer.newton_schulz import NS_COEFFICIENTS, NS_METHODS, newton_schulz
-from trainer.optim import is_block_matrix
+from trainer.config import TrainConfig
+from trainer.optim import NS_COEFFICIENTS, Muon, is_block_matrix, newton_schulz, newton_schulz_flops, shard_rows, stacks_of
 
 
 def matrices(*shapes, seed=0):
@@ -63,20 +61,16 @@ def test_newton_schulz_orthogonalises():
     assert singular.min() > 0.5 and singular.max() < 1.5
 
 
-@pytest.mark.parametrize("method", NS_METHODS)
-def test_the_newton_schulz_flop_formula_is_what_torch_counts(method):
-    """newton_schulz_flops, which --optimizer auto weighs against the step, against FlopCounterMode,
-    for either method (both run 5 iterations of the same matmuls)."""
+def test_the_newton_schulz_flop_formula_is_what_torch_counts():
+    """newton_schulz_flops, which --optimizer auto weighs against the step, against FlopCounterMode."""
     from torch.utils.flop_counter import FlopCounterMode
-
-    from trainer.newton_schulz import newton_schulz_flops
 
     shapes = [(64, 64), (32, 64), (256, 64), (64, 256), (96, 40)]
     params = [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
     for p in params:
         p.grad = torch.randn(p.shape)
     with FlopCounterMode(display=False) as counted:
-        Muon(params, ns_method=method).step()
+        Muon(params).step()
     assert newton_schulz_flops(shapes) == counted.get_total_flops()
 
 
@@ -124,11 +118,11 @@ def test_a_step_in_bf16_is_torch_optim_muons_step():
     assert ours_opt.state[ours[0]].keys() == theirs_opt.state[theirs[0]].keys() == {"momentum_buffer"}
 
 
-@pytest.mark.parametrize("method, normuon", [("quintic", False), ("polar_express", True)])
-def test_the_compiled_iteration_does_not_recompile_as_the_lr_moves(monkeypatch, method, normuon):
+@pytest.mark.parametrize("normuon", [False, True])
+def test_the_compiled_iteration_does_not_recompile_as_the_lr_moves(monkeypatch, normuon):
     """compile_update (on for CUDA runs) compiles the batched iteration and NorMuon's two halves, none
-    of which sees the lr, with either method's coefficients. Compiled here with dynamo's eager
-    backend: the same graphs and guards, without code generation."""
+    of which sees the lr. Compiled here with dynamo's eager backend: the same graphs and guards,
+    without code generation."""
     import torch._dynamo
 
     real_compile, calls = torch.compile, []
@@ -137,8 +131,8 @@ def test_the_compiled_iteration_does_not_recompile_as_the_lr_moves(monkeypatch, 
     torch._dynamo.utils.counters.clear()  # the frames counted so far in this process (the other case's)
     shapes = [(32, 64), (64, 32), (64, 64)]
     params = [torch.nn.Parameter(m) for m in matrices(*shapes)]
-    opt = Muon(params, lr=0.02, compile_update=True, ns_method=method, normuon=normuon)
-    assert calls == [{"dynamic": False}] * (3 if normuon else 1)
+    opt = Muon(params, lr=0.02, compile_update=True, normuon=normuon)
+    assert calls == [{"dynamic": False}] * 3  # the iteration and NorMuon's halves, compiled when first called
     frames = torch._dynamo.utils.counters["frames"]
     for step in range(4):
         for group in opt.param_groups:
@@ -179,7 +173,7 @@ WORKER = REPO_ROOT / "tests" / "muon_worker.py"
 
 def _worker_results(tmp_path, layout, nproc, options="") -> list[dict]:
     """Each rank's saved weights (and NorMuon moments) and Newton-Schulz FLOPs after the
-    worker's three steps; options "all": every option of the update on."""
+    worker's three steps; options "normuon": NorMuon on."""
     prefix = tmp_path / layout
     result = run_trainer([prefix, layout, options], tmp_path, nproc=nproc,
                          mode="inprocess" if nproc == 1 else "forked", timeout=300, script=WORKER)
@@ -193,8 +187,8 @@ def one_process(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def one_process_all_options(tmp_path_factory):
-    return _worker_results(tmp_path_factory.mktemp("muon_one_all"), "none", 1, "all")[0]
+def one_process_normuon(tmp_path_factory):
+    return _worker_results(tmp_path_factory.mktemp("muon_one_normuon"), "none", 1, "normuon")[0]
 
 
 def newton_schulz_share(shapes, layout: str, nproc: int, rank: int) -> float:
@@ -228,16 +222,15 @@ def test_split_over_ranks_gives_the_one_process_weights_bitwise(one_process, tmp
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout, nproc", [("ddp", 2), ("fsdp", 2), ("fsdp", 3)])
-def test_every_option_split_over_ranks_gives_the_one_process_weights(one_process_all_options, tmp_path, layout,
-                                                                     nproc):
-    """Polar Express, NorMuon and cautious decay on: the split step still equals one process's.
-    NorMuon's v lives with each rank's rows under FSDP (3 ranks: 86/86/84 rows of the MLP's
-    matrices), and its norms over whole matrices are summed in one process's order on every
-    layout (trainer/muon.py's _every_rank_rows), so this holds bit for bit (measured on CPU), which
-    is more than the float noise it must hold to."""
-    expected = one_process_all_options
+def test_normuon_split_over_ranks_gives_the_one_process_weights(one_process_normuon, tmp_path, layout, nproc):
+    """NorMuon on: the split step still equals one process's. NorMuon's v lives with each rank's
+    rows under FSDP (3 ranks: 86/86/84 rows of the MLP's matrices), and its norms over whole
+    matrices are summed in one process's order on every layout (trainer/optim.py's
+    _every_rank_rows), so this holds bit for bit (measured on CPU), which is more than the float
+    noise it must hold to."""
+    expected = one_process_normuon
     assert len(expected["moments"]) == len(expected["weights"]) == 14
-    for rank, result in enumerate(_worker_results(tmp_path, layout, nproc, "all")):
+    for rank, result in enumerate(_worker_results(tmp_path, layout, nproc, "normuon")):
         assert_bitwise_equal(result["weights"], expected["weights"])
         assert_bitwise_equal(result["moments"], expected["moments"])
 
@@ -287,10 +280,9 @@ def test_muon_resumes_bitwise_after_a_kill(tmp_path):
     assert_same_state(states_a, states_b, "optimizer state")
 
 
-# Every flag of the Muon and schedule options, none at its default.
-EVERY_OPTION = ["--muon_ns", "polar_express", "--normuon", "1", "--cautious_wd", "both", "--muon_momentum_warmup", "6",
-                "--lr_schedule", "wsd", "--cooldown_frac", "0.5", "--min_lr_frac", "0.05", "--lr_ref_width", "32",
-                "--zero_init_outputs", "1"]
+# Every flag of Muon and the schedule, none at its default.
+EVERY_OPTION = ["--normuon", "1", "--lr_schedule", "wsd", "--cooldown_frac", "0.5", "--min_lr_frac", "0.05",
+                "--muon_lr", "0.015", "--warmup_steps", "2", "--zero_init_outputs", "1"]
 
 
 @pytest.mark.slow
@@ -298,8 +290,8 @@ EVERY_OPTION = ["--muon_ns", "polar_express", "--normuon", "1", "--cautious_wd",
 def test_every_option_resumes_bitwise_after_a_kill(tmp_path, parallel, nproc):
     """With every option on, in one process and under 2-process FSDP (NorMuon's v a DTensor of
     rows, in the sharded checkpoint): the killed and resumed run ends as the uninterrupted one,
-    weights and optimizer state, bit for bit. The momentum warmup and the schedule are
-    functions of the step: nothing of them is in the checkpoint, and the resume still agrees."""
+    weights and optimizer state, bit for bit. The schedule is a function of the step: nothing of
+    it is in the checkpoint, and the resume still agrees."""
     a, b = _killed_and_resumed(tmp_path, [*EVERY_OPTION, "--parallel", parallel], nproc)
     assert_bitwise_equal(a["model"], b["model"])
     states = a["optimizer"]["state"]
@@ -310,14 +302,14 @@ def test_every_option_resumes_bitwise_after_a_kill(tmp_path, parallel, nproc):
 def test_a_checkpoint_written_with_torch_optim_muon_resumes(tmp_path):
     """Runs of earlier versions trained with torch.optim.Muon: their momentum buffers load into
     ours, each onto the parameter of the same name, and the trainer resumes from the checkpoint."""
-    from trainer.optim import OptimConfig, Optimizers, build_optimizer, param_groups
-    from trainer.stateful import ModelState
+    from trainer.optim import Optimizers, build_optimizer, param_groups
+    from trainer.train_state import ModelState
     from trainer.trainer_utils import lm_checkpoint
 
     torch.manual_seed(0)
     config = MiniMindConfig(hidden_size=64, num_hidden_layers=2)
     model = MiniMindForCausalLM(config)
-    groups = param_groups(model, OptimConfig(optimizer="muon"))
+    groups = param_groups(model, "muon", "split", 0.01)
     theirs = torch.optim.Muon([g for g in groups if g["name"] == "muon"], lr=0.02)
     old = Optimizers([torch.optim.AdamW([g for g in groups if g["name"] != "muon"], lr=1e-3), theirs])
     ids = torch.randint(3, 6400, (4, 64))
@@ -330,7 +322,7 @@ def test_a_checkpoint_written_with_torch_optim_muon_resumes(tmp_path):
 
     # Load it as the trainer's resume does (ModelState), into a fresh model and our Muon.
     fresh = MiniMindForCausalLM(config)
-    new = build_optimizer(fresh, OptimConfig(optimizer="muon"))
+    new = build_optimizer(fresh, TrainConfig.of(optimizer="muon", muon_lr=0.02, normuon=0).optim)
     ModelState(fresh, new).load_state_dict(lm_checkpoint(str(run / "ckpt"), "pretrain_64", fresh))
     ours = next(opt for opt in new if isinstance(opt, Muon))
     saved = {n: theirs.state[p]["momentum_buffer"] for n, p in model.named_parameters() if p in theirs.state}

@@ -1,7 +1,6 @@
 """Nodes that each have their own disk: two "nodes" on 127.0.0.1, each a torchrun started
 from its own copy of the repository, with relative --checkpoint_dir and --data_path.
 Only node 0 ever holds a checkpoint; a resume must not need one on node 1."""
-import argparse
 import re
 import shutil
 from pathlib import Path
@@ -80,6 +79,7 @@ def test_demo_corpus_is_built_by_local_rank_0_of_each_node_and_every_rank_waits(
 
     from dataset.demo_corpus import DEMO_CORPUS, ensure_demo_corpus
     from trainer import loop
+    from trainer.config import TrainConfig
     from trainer.train_pretrain import PRETRAIN
 
     assert (PRETRAIN.demo_data, PRETRAIN.build_demo) == (DEMO_CORPUS, ensure_demo_corpus)
@@ -91,6 +91,6 @@ def test_demo_corpus_is_built_by_local_rank_0_of_each_node_and_every_rank_waits(
     monkeypatch.setattr(loop, "barrier", lambda: barriers.append(1))
     monkeypatch.setattr(loop, "is_main_process", lambda: False)  # a rank of node 1
 
-    loop.ensure_data(argparse.Namespace(data_path=str(corpus)), local_rank, stage)
+    loop.ensure_data(TrainConfig.of(data_path=str(corpus)), local_rank, stage)
     assert built == ([corpus] if builds else [])
     assert barriers == [1]

@@ -1,17 +1,15 @@
-"""--profile_steps writes a torch.profiler trace that Perfetto and TensorBoard open, of rank 0
-or of every rank; --memory_snapshot writes the CUDA allocator's state, also on out-of-memory
-(its CUDA calls stood in for on CPU)."""
+"""--profile_steps writes a torch.profiler trace of rank 0 that Perfetto and TensorBoard open;
+--memory_snapshot writes the CUDA allocator's state, also on out-of-memory (its CUDA calls
+stood in for on CPU)."""
 import gzip
 import json
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from tests.jobs import run_trainer
 from tests.run_outputs import out_args
 from tests.tiny import TINY
-from trainer.profiling import Profiling
+from trainer.metrics import Profiling
 
 
 def trace_events(path) -> list[dict]:
@@ -31,24 +29,23 @@ def test_profile_steps_writes_a_chrome_trace_of_those_steps(tmp_path):
 
 
 @pytest.mark.slow
-def test_profile_ranks_all_writes_one_trace_per_rank(tmp_path):
-    run = run_trainer([*TINY, *out_args(tmp_path), "--max_steps", "3", "--profile_steps", "3:9",
-                           "--profile_ranks", "all"], tmp_path, nproc=2, mode="forked")
+def test_two_processes_write_rank_0s_trace_up_to_the_runs_end(tmp_path):
+    run = run_trainer([*TINY, *out_args(tmp_path), "--max_steps", "3", "--profile_steps", "3:9"], tmp_path, nproc=2,
+                      mode="forked")
     assert run.returncode == 0, run.stdout[-3000:]
     traces = sorted(p.name for p in (tmp_path / "out" / "profile").iterdir())
-    assert traces == [f"pretrain_64_steps3-3_rank{r}.pt.trace.json.gz" for r in (0, 1)]  # the window ends with the run
-    for name in traces:
-        assert "ProfilerStep#3" in {e.get("name") for e in trace_events(tmp_path / "out" / "profile" / name)}
+    assert traces == ["pretrain_64_steps3-3_rank0.pt.trace.json.gz"]  # the window ends with the run
+    assert "ProfilerStep#3" in {e.get("name") for e in trace_events(tmp_path / "out" / "profile" / traces[0])}
 
 
 def test_a_window_already_trained_says_so(tmp_path):
-    args = SimpleNamespace(save_dir=str(tmp_path), profile_steps=(2, 3), profile_ranks="0", memory_snapshot=0)
     from contextlib import redirect_stdout
     from io import StringIO
 
     out = StringIO()
     with redirect_stdout(out):
-        profiling = Profiling(args, "run", 0, torch.device("cpu"), start_step=10, total_steps=20)
+        profiling = Profiling(str(tmp_path / "profile"), "run", 0, torch.device("cpu"), (2, 3), False, start_step=10,
+                              total_steps=20)
     assert "already trained" in out.getvalue()
     for step in range(11, 14):
         profiling.step_begins(step)
@@ -74,8 +71,8 @@ def fake_cuda_memory(monkeypatch):
 
 
 def test_memory_snapshot_records_the_first_steps_then_stops(tmp_path, fake_cuda_memory):
-    args = SimpleNamespace(save_dir=str(tmp_path), profile_steps=None, profile_ranks="0", memory_snapshot=1)
-    profiling = Profiling(args, "run", 0, torch.device("cuda", 0), start_step=0, total_steps=100)
+    profiling = Profiling(str(tmp_path / "profile"), "run", 0, torch.device("cuda", 0), None, True, start_step=0,
+                          total_steps=100)
     for step in range(1, 6):
         profiling.step_begins(step)
         profiling.step_ended(step)
@@ -84,8 +81,8 @@ def test_memory_snapshot_records_the_first_steps_then_stops(tmp_path, fake_cuda_
 
 
 def test_out_of_memory_writes_a_snapshot_and_still_fails(tmp_path, fake_cuda_memory):
-    args = SimpleNamespace(save_dir=str(tmp_path), profile_steps=None, profile_ranks="0", memory_snapshot=1)
-    profiling = Profiling(args, "run", 1, torch.device("cuda", 1), start_step=0, total_steps=100)
+    profiling = Profiling(str(tmp_path / "profile"), "run", 1, torch.device("cuda", 1), None, True, start_step=0,
+                          total_steps=100)
     with pytest.raises(torch.OutOfMemoryError):
         with profiling.running(lambda: 6):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
@@ -101,8 +98,8 @@ def test_memory_snapshot_on_cpu_is_one_line(tmp_path):
 
 def test_a_run_that_stops_inside_the_window_writes_what_it_traced(tmp_path):
     """A preempted, failed or resumed run traces the steps it really ran, named by them."""
-    args = SimpleNamespace(save_dir=str(tmp_path), profile_steps=(2, 6), profile_ranks="0", memory_snapshot=0)
-    profiling = Profiling(args, "run", 0, torch.device("cpu"), start_step=2, total_steps=20)  # resumed at 2
+    profiling = Profiling(str(tmp_path / "profile"), "run", 0, torch.device("cpu"), (2, 6), False, start_step=2,
+                          total_steps=20)  # resumed at 2
     done = 2
     with pytest.raises(KeyboardInterrupt):
         with profiling.running(lambda: done):
@@ -122,8 +119,8 @@ def test_the_run_s_own_error_survives_a_profile_that_cannot_be_written(tmp_path,
     error that stopped the run is the one that goes on up, and a line says what was lost."""
     from common.errors import UserError
 
-    args = SimpleNamespace(save_dir=str(tmp_path), profile_steps=(3, 6), profile_ranks="0", memory_snapshot=0)
-    profiling = Profiling(args, "run", 0, torch.device("cpu"), start_step=0, total_steps=20)
+    profiling = Profiling(str(tmp_path / "profile"), "run", 0, torch.device("cpu"), (3, 6), False, start_step=0,
+                          total_steps=20)
     names = []
 
     def unwritable(name):

@@ -1,8 +1,8 @@
-"""The fault plan (tests/fault_injection.py, step hooks of trainer/hooks.py): the
-MINIMIND_FAULT_* environment, read once at start-up, decides which rank misbehaves at which
-step, and a restarted group runs clean. And DataLoader workers: the longest temp folder they can work in, and a worker that
-stops delivering ends the rank instead of hanging it. And what the launched tests count
-as a worker's traceback."""
+"""The fault plan (tests/fault_injection.py): the MINIMIND_FAULT_* environment, read once at
+start-up, decides which rank misbehaves at which step, a restarted group runs clean, and a run
+without it runs the trainer's own functions. And DataLoader workers: the longest temp folder
+they can work in, and a worker that stops delivering ends the rank instead of hanging it. And
+what the launched tests count as a worker's traceback."""
 import math
 import os
 import signal
@@ -10,7 +10,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -20,46 +19,49 @@ from torch.utils.data import Dataset, SequentialSampler, get_worker_info
 from common.errors import UserError
 from tests.assertions import worker_tracebacks
 from scripts.launching import REPO_ROOT
-from tests.fault_injection import FaultPlan, fault_env as fault
-from trainer.data import LoaderStalled, delivered_batches, make_train_loader
-from trainer.hooks import StepHooks, load_step_hooks
-from trainer.preflight import MAX_WORKER_TMPDIR, check_worker_tmpdir
+from tests.fault_injection import FaultPlan, fault_env as fault, install, install_from_env
+from trainer.data import MAX_WORKER_TMPDIR, LoaderStalled, check_worker_tmpdir, delivered_batches, make_train_loader
 
 
 def poisoned(plan, steps) -> list[bool]:
-    """Whether the plan makes each step's loss NaN, as the loop calls it."""
-    out = []
-    for step in range(steps):
-        plan.before_step(step)
-        out.append(math.isnan(plan.loss(torch.tensor(1.0)).item()))
+    """Whether the plan makes each step's loss NaN, through the loss install() wraps."""
+    import model.model_minimind as model_module
+
+    undo, out = install(plan), []
+    try:
+        for step in range(steps):
+            plan.before_step(step)
+            out.append(math.isnan(model_module.causal_lm_loss(torch.zeros(1, 2, 3), torch.ones(1, 2).long()).item()))
+    finally:
+        undo()
     return out
 
 
 def test_fault_plan_is_read_once_and_fires_only_where_planned(monkeypatch):
     """The plan is the environment at start-up: later changes do not move it."""
-    for key, value in fault("nan", at=3, rank=1).items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
-    plan, other_rank = load_step_hooks(1), load_step_hooks(0)  # as the trainer installs them
-    assert isinstance(plan, FaultPlan)
-    monkeypatch.setenv("MINIMIND_FAULT_AT_STEP", "5")
+    environ = {**fault("nan", at=3, rank=1), "RANK": "1"}
+    plan, other_rank = FaultPlan.from_env(environ), FaultPlan.from_env({**environ, "RANK": "0"})
+    environ["MINIMIND_FAULT_AT_STEP"] = "5"
     assert poisoned(plan, 6) == [False, False, False, True, False, False]
     assert not any(poisoned(other_rank, 6))
-    forever = FaultPlan.from_env(1, fault("nan_forever", at=2, rank=1))
+    forever = FaultPlan.from_env({**fault("nan_forever", at=2, rank=1), "RANK": "1"})
     assert poisoned(forever, 5) == [False, False, True, True, True]
-    restarted = FaultPlan.from_env(1, {**fault("raise", at=0, rank=1), "TORCHELASTIC_RESTART_COUNT": "1"})
+    restarted = FaultPlan.from_env({**fault("raise", at=0, rank=1), "RANK": "1", "TORCHELASTIC_RESTART_COUNT": "1"})
     restarted.before_step(0)  # a restarted group runs clean
     with pytest.raises(RuntimeError, match="rank 1 raises at step 2"):
-        FaultPlan.from_env(1, fault("raise", at=2, rank=1)).before_step(2)
+        FaultPlan.from_env({**fault("raise", at=2, rank=1), "RANK": "1"}).before_step(2)
 
 
-def test_a_normal_run_has_hooks_that_do_nothing(monkeypatch):
-    monkeypatch.delenv("MINIMIND_STEP_HOOKS", raising=False)
-    hooks = load_step_hooks(0)
-    assert type(hooks) is StepHooks
-    hooks.before_step(3)
-    loss = torch.tensor(2.5)
-    assert hooks.loss(loss) is loss
+def test_faults_wrap_the_trainers_functions_only_where_planned_and_undo_restores_them():
+    import model.model_minimind as model_module
+    import trainer.loop as loop
+
+    own = loop.set_lr, model_module.causal_lm_loss
+    assert install_from_env({}) is None  # no plan: nothing wrapped
+    undo = install_from_env(fault("raise", at=2))
+    assert (loop.set_lr, model_module.causal_lm_loss) != own
+    undo()
+    assert (loop.set_lr, model_module.causal_lm_loss) == own
 
 
 class Stalls(Dataset):
@@ -75,12 +77,12 @@ class Stalls(Dataset):
 
 
 def test_a_worker_that_stops_delivering_fails_the_rank_after_dist_timeout():
-    args = SimpleNamespace(batch_size=1, num_workers=1, dist_timeout=0.5)
-    loader = make_train_loader(Stalls(), SequentialSampler(range(4)), args, pin_memory=False)
+    loader = make_train_loader(Stalls(), SequentialSampler(range(4)), batch_size=1, num_workers=1, dist_timeout=0.5,
+                               pin_memory=False)
     with pytest.raises(RuntimeError, match="DataLoader timed out after 0.5 seconds"):
         next(iter(loader))
     with pytest.raises(LoaderStalled) as info:  # as the training loop reads it: one line naming the flag
-        next(delivered_batches(loader, args.dist_timeout, rank=1))
+        next(delivered_batches(loader, 0.5, rank=1))
     assert str(info.value).startswith("rank 1: no batch from its DataLoader worker within --dist_timeout 0.5 s")
     assert len(str(info.value).splitlines()) == 1
 
@@ -147,10 +149,10 @@ class Dies(Dataset):
 
 
 def test_a_worker_that_dies_is_one_line_naming_what_to_check():
-    args = SimpleNamespace(batch_size=1, num_workers=1, dist_timeout=30)
-    loader = make_train_loader(Dies(), SequentialSampler(range(4)), args, pin_memory=False)
+    loader = make_train_loader(Dies(), SequentialSampler(range(4)), batch_size=1, num_workers=1, dist_timeout=30,
+                               pin_memory=False)
     with pytest.raises(LoaderStalled, match=r"^rank 0: a DataLoader worker died \(DataLoader worker \(pid"):
-        next(delivered_batches(loader, args.dist_timeout, rank=0))
+        next(delivered_batches(loader, 30, rank=0))
 
 
 def test_the_stalled_rank_itself_prints_the_line_and_exits_1(tmp_path):

@@ -5,7 +5,6 @@ import math
 import re
 import shutil
 from collections import Counter
-from types import SimpleNamespace
 
 import pytest
 from torch.utils.data import Dataset
@@ -15,6 +14,7 @@ from tests.jobs import run_trainer
 from tests.run_outputs import latest_checkpoint, out_args, read_metrics
 from tests.tiny import TINY
 from trainer.data import ResumableDistributedSampler, make_train_loader
+from trainer.config import TrainConfig
 from trainer.train_state import TrainState, plan_steps, resume_step
 
 N = 203  # odd, and not a multiple of any global batch below: DistributedSampler pads, steps leave a tail
@@ -82,10 +82,9 @@ def test_set_start_skips_exactly_the_first_k_of_a_share(world, k):
 
 # ---------------------------------------------------------------------------- resume across world sizes
 def step_plan(world, batch, accum, n=N):
-    """The trainer's own plan for this topology (as plan_steps makes it from the flags)."""
-    flags = SimpleNamespace(batch_size=batch, accumulation_steps=accum, global_batch_size=0, max_steps=0,
-                            epochs=1, data_path="indices")
-    return plan_steps(flags, n, world)
+    """The trainer's own plan for this topology (as plan_steps makes it from the config)."""
+    optim = TrainConfig.of(batch_size=batch, accumulation_steps=accum).optim
+    return plan_steps(optim, "indices", n, world)
 
 
 def consumed(world, batch, accum, start_step, end_step, n=N):
@@ -94,9 +93,8 @@ def consumed(world, batch, accum, start_step, end_step, n=N):
     {global step: (epoch, set of samples)} and the plan."""
     dataset = Indices(n)
     plan = step_plan(world, batch, accum, n)
-    loader_args = SimpleNamespace(batch_size=batch, num_workers=0)
     samplers = [ResumableDistributedSampler(dataset, world, rank, seed=SEED) for rank in range(world)]
-    loaders = [make_train_loader(dataset, s, loader_args, pin_memory=False) for s in samplers]
+    loaders = [make_train_loader(dataset, s, batch, num_workers=0, dist_timeout=60, pin_memory=False) for s in samplers]
     steps, global_step = {}, start_step
     while global_step < end_step:
         where = plan.position(global_step)

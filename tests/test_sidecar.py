@@ -20,9 +20,9 @@ from scripts.eval_llm import main as eval_main
 from tests.jobs import run_trainer
 from tests.run_outputs import out_args
 from tests.tiny import TINY, ensure_demo_corpus
-from trainer.args import parse_args
-from trainer.stateful import export_weights
-from trainer.trainer_utils import init_model, model_config_from_args
+from trainer.config import parse_config
+from trainer.train_state import export_weights
+from trainer.trainer_utils import init_model, model_config
 
 # Not the trainer's defaults (hidden 512, 8 layers), so a load that ignored the sidecar would fail.
 SHAPE = {"hidden_size": 64, "num_hidden_layers": 2}
@@ -97,15 +97,15 @@ def test_a_conflicting_flag_is_one_line(trained, capsys):
     err = one_error_line(capsys, lambda: eval_main(["--weight_path", str(pth), "--hidden_size", "128",
                                                     "--prompt", "x", "--device", "cpu"]))
     assert "--hidden_size 64 but --hidden_size 128" in err and str(pth) in err
-    args = parse_args(["--from_weight", str(pth), "--num_hidden_layers", "4"])
+    args = parse_config(["--from_weight", str(pth), "--num_hidden_layers", "4"])
     with pytest.raises(UserError, match="--num_hidden_layers 2 but --num_hidden_layers 4"):
-        model_config_from_args(args, args.vocab_size)
+        model_config(*args)
 
 
 def test_from_weight_takes_the_shape_from_the_sidecar(trained):
     pth = trained / "pretrain_64.pth"
-    args = parse_args(["--from_weight", str(pth), "--num_hidden_layers", "2"])  # typed and agreeing
-    config = model_config_from_args(args, args.vocab_size)
+    args = parse_config(["--from_weight", str(pth), "--num_hidden_layers", "2"])  # typed and agreeing
+    config = model_config(*args)
     assert (config.hidden_size, config.num_hidden_layers, config.flash_attn) == (64, 2, True)
     model = init_model(config, str(pth)).eval()
     assert logits_of(model).equal(logits_of(load_model(pth)[0]))
@@ -118,8 +118,8 @@ def test_a_pth_without_sidecar_still_goes_by_the_flags(trained, tmp_path, capsys
     with pytest.raises(WeightsError, match="weights do not fit the model flags"):
         load_model(bare)  # the defaults, hidden 512 x 8
     assert logits_of(load_model(bare, **SHAPE)[0]).equal(logits_of(load_model(trained / "pretrain_64.pth")[0]))
-    args = parse_args(["--from_weight", str(bare), "--hidden_size", "64"])
-    assert model_config_from_args(args, args.vocab_size).num_hidden_layers == 8  # the flag's default, as before
+    args = parse_config(["--from_weight", str(bare), "--hidden_size", "64"])
+    assert model_config(*args).num_hidden_layers == 8  # the flag's default, as before
 
 
 @pytest.mark.parametrize("text, says", [
@@ -138,8 +138,8 @@ def test_a_bad_sidecar_is_one_line(trained, tmp_path, capsys, text, says):
     err = one_error_line(capsys, lambda: eval_main(["--weight_path", str(pth), "--prompt", "x", "--device", "cpu"]))
     assert str(tmp_path / "w.json") in err
     with pytest.raises(UserError, match="w.json: "):
-        args = parse_args(["--from_weight", str(pth)])
-        model_config_from_args(args, args.vocab_size)
+        args = parse_config(["--from_weight", str(pth)])
+        model_config(*args)
 
 
 def test_safetensors_weights_have_a_sidecar_too(trained, tmp_path):

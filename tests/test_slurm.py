@@ -43,7 +43,7 @@ def slurm(tmp_path_factory):
 def slurm_env(conf, run_dir) -> dict:
     env = dict(os.environ, SLURM_CONF=conf, OMP_NUM_THREADS="1", TMPDIR=str(run_dir), PYTHONUNBUFFERED="1",
                NPROC_PER_NODE="2", MINIMIND_REPO=str(REPO_ROOT), TORCHRUN=TORCHRUN[0])
-    return {k: v for k, v in env.items() if not k.startswith(("MINIMIND_FAULT", "MINIMIND_STEP_HOOKS", "SLURM_JOB", "SLURM_STEP"))}
+    return {k: v for k, v in env.items() if not k.startswith(("MINIMIND_FAULT", "SLURM_JOB", "SLURM_STEP"))}
 
 
 def submit(conf, run_dir, train_args) -> tuple[str, dict]:

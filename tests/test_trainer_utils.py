@@ -54,7 +54,8 @@ def test_the_trainer_resumes_what_lm_checkpoint_wrote(tmp_path):
     with lm_checkpoint; the trainer takes over from it."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    from trainer.optim import OptimConfig, build_optimizer
+    from trainer.config import TrainConfig
+    from trainer.optim import build_optimizer
 
     base = [*TINY, *out_args(tmp_path), "--optimizer", "adamw", "--max_steps", "4", "--save_interval", "2"]
     first = run_trainer([*base, "--max_steps", "2"], tmp_path)
@@ -62,7 +63,7 @@ def test_the_trainer_resumes_what_lm_checkpoint_wrote(tmp_path):
     saved = latest_checkpoint(tmp_path)
     config = MiniMindConfig(hidden_size=64, num_hidden_layers=2)
     model = MiniMindForCausalLM(config)
-    optimizer = build_optimizer(model, OptimConfig(optimizer="adamw", lr=2e-3))
+    optimizer = build_optimizer(model, TrainConfig.of(optimizer="adamw", learning_rate=2e-3).optim)
     set_state_dict(model, optimizer, model_state_dict=saved["model"], optim_state_dict=saved["optimizer"])
     state = {k: saved[k] for k in ("scaler", "global_step", "epoch", "step_in_epoch", "samples_per_step",
                                    "world_size", "tokens_seen", "wandb_run_id", "rng")}

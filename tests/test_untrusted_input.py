@@ -25,7 +25,7 @@ from tests.run_outputs import latest_link_name, out_args
 from tests.tiny import FLAGS, TINY, train_tiny
 from trainer.device import resolve_device
 from trainer.checkpoint import verify_checkpoint
-from trainer.stateful import export_weights
+from trainer.train_state import export_weights
 from trainer.train_pretrain import main as train_main
 from trainer.trainer_utils import init_model, lm_checkpoint
 
@@ -228,7 +228,7 @@ BAD_FLAGS = {
     "grad_clip_nan": (["--grad_clip", "nan"], "--grad_clip must be a number"),
     "muon_lr_nan": (["--muon_lr", "nan"], "--muon_lr must be a finite number above 0"),
     "dist_timeout_0": (["--dist_timeout", "0"], "--dist_timeout must be a finite number above 0"),
-    "peak_tflops_negative": (["--peak_tflops", "-5"], "--peak_tflops must be a finite number at least 0"),
+    "save_every_minutes_negative": (["--save_every_minutes", "-5"], "--save_every_minutes must be a finite number at least 0"),
     "val_fraction_nan": (["--val_fraction", "nan"], "--val_fraction must be in [0, 1)"),
     "eval_batches_0": (["--eval_batches", "0"], "--eval_batches must be at least 1, got 0"),
     "eval_interval_negative": (["--eval_interval", "-1"], "--eval_interval must be at least 0, got -1"),

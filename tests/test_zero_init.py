@@ -6,10 +6,9 @@ import torch
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.tiny import TINY
-from trainer.args import parse_args
+from trainer.config import parse_config
 from trainer.distributed import DistEnv
-from trainer.settings import RunSettings
-from trainer.trainer_utils import model_config_from_args, zero_output_projections
+from trainer.trainer_utils import initial_weights, model_config, zero_output_projections
 
 
 @pytest.mark.parametrize("use_moe, expected", [(False, 2 * 2), (True, 2 * (1 + 4))])
@@ -30,12 +29,10 @@ def test_every_blocks_output_projections_and_only_they_start_at_zero(use_moe, ex
 
 def test_build_parts_zeroes_a_fresh_model_and_leaves_loaded_weights_be(tmp_path):
     from trainer.loop import build_parts
-    from trainer.run_files import initial_weights
 
     def parts(*flags):
-        args = parse_args([*TINY, *flags])
-        return build_parts(args, DistEnv(), model_config_from_args(args, 6400), RunSettings("float32", "muon", False),
-                           initial_weights(args))
+        cfg = parse_config([*TINY, *flags])[0].replace(optimizer="muon", muon_lr=0.01, normuon=1, lr_schedule="wsd")
+        return build_parts(cfg, DistEnv(), model_config(cfg), initial_weights(cfg), bos_id=1, packed=False)
 
     def o_proj(model):
         return model.model.layers[0].self_attn.o_proj.weight

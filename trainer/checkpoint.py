@@ -120,6 +120,7 @@ class CheckpointManager:
         the record, the link, the rotation; on a failed write, what it wrote is removed again and
         the one line returned."""
         try:
+            os.makedirs(self.folder, exist_ok=True)
             if weights_state is None:  # a .dcp folder: its shards are in place
                 atomic_torch_save(state, os.path.join(f"{path}.tmp", TRAINER_STATE), "the checkpoint",
                                   AFTER_A_FAILED_SAVE)
@@ -135,11 +136,13 @@ class CheckpointManager:
             atomic_write_text(f"{path}.json", json.dumps({**record, "config": self.config, "files": files}),
                               "the checkpoint's record", advice=AFTER_A_FAILED_SAVE)
             _point_latest(self.folder, self.prefix, path)
-        except StorageError as exc:
+        except (StorageError, OSError) as exc:
             remove_quietly(f"{path}.json")
             remove_quietly(path)
             remove_quietly(f"{path}.tmp")
-            return str(exc)
+            if isinstance(exc, StorageError):
+                return str(exc)
+            return str(storage_error(exc, "the checkpoint", path, advice=AFTER_A_FAILED_SAVE))
         for old in list_checkpoints(self.folder, self.prefix)[max(1, self.keep_last):]:
             remove_quietly(f"{old}.json")  # unrecord first: a kill in between leaves an ignored leftover
             remove_quietly(old)
@@ -239,13 +242,13 @@ class CheckpointManager:
 
 
 def newest_record(folder: str, prefix: str, collectives=TORCH_COLLECTIVES) -> dict:
-    """The record beside the newest checkpoint of `prefix` ({} when there is none): what a resume
-    must know before the model and optimizer exist, the run's stored config above all. Rank 0
-    reads it and every rank gets it (a collective)."""
+    """The record beside the newest checkpoint of `prefix`, with its "path" ({} when there is
+    none): what a resume must know before the model and optimizer exist, the run's stored config
+    above all. Rank 0 reads it and every rank gets it (a collective)."""
     record = {}
     if collectives.rank == 0:
-        records = (_record_of(path) for path in list_checkpoints(folder, prefix))
-        record = next((r for r in records if r is not None), {})
+        records = ((path, _record_of(path)) for path in list_checkpoints(folder, prefix))
+        record = next(({**r, "path": path} for path, r in records if r is not None), {})
     return collectives.broadcast(record)
 
 

@@ -4,7 +4,7 @@ Every flag is a field of one of the groups below, with its default and help besi
 parser, --help and docs/flags.md are made from these fields, so each default lives here and
 nowhere else. A stage changes defaults through one table (train_full_sft.py's SFT_DEFAULTS).
 
-    run      where files go, when to save and log, whether to resume    this launch's
+    output   where files go, when to save and log, whether to resume    this launch's
     optim    the batch, the optimizer and its schedule                  the run's
     model    the model and its first weights                            the run's
     data     training and held-out data, validation                     the run's
@@ -34,7 +34,7 @@ from dataset.demo_corpus import DEMO_CORPUS
 from model.shape_flags import FLAG_DEFAULTS
 from trainer.device import detect_dtype, detect_optimizer
 from trainer.distributed import Logger
-from trainer.optim import muon_flop_share
+from trainer.metrics import muon_flop_share
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # MiniMind's own flags (its trainer/train_pretrain.py): a public interface, same names, same meanings.
@@ -42,7 +42,7 @@ MINIMIND_FLAGS = ("save_dir", "save_weight", "epochs", "batch_size", "learning_r
                   "num_workers", "accumulation_steps", "grad_clip", "log_interval", "save_interval", "hidden_size",
                   "num_hidden_layers", "max_seq_len", "use_moe", "data_path", "from_weight", "from_resume",
                   "use_wandb", "wandb_project", "use_compile")
-LAUNCH_GROUPS = ("run", "system")
+LAUNCH_GROUPS = ("output", "system")
 # What a resume may not change: the shapes the checkpoint's tensors and schedule were made for.
 FIXED = ("hidden_size", "num_hidden_layers", "use_moe", "vocab_size", "optimizer", "param_groups", "lr_schedule",
          "normuon")
@@ -104,7 +104,7 @@ def flag(default, help: str, *, type=None, choices=None, check=None):
 
 # ---------------------------------------------------------------------------- the groups
 @dataclass(frozen=True)
-class RunConfig:
+class OutputConfig:
     save_dir: str = flag(str(REPO_ROOT / "out"), "weights (.pth, with its config .json) and metrics go here")
     save_weight: str = flag("pretrain", "file name prefix of weights and checkpoints")
     checkpoint_dir: str = flag(str(REPO_ROOT / "checkpoints"), "resume checkpoints go here")
@@ -228,14 +228,14 @@ class ChatConfig:
                                     check=share("a share of samples"))
 
 
-GROUPS = {"run": RunConfig, "optim": OptimConfig, "model": ModelConfig, "data": DataConfig, "system": SystemConfig,
+GROUPS = {"output": OutputConfig, "optim": OptimConfig, "model": ModelConfig, "data": DataConfig, "system": SystemConfig,
           "chat": ChatConfig}
 GROUP_OF = {f.name: group for group, cls in GROUPS.items() for f in dataclasses.fields(cls)}
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    run: RunConfig = field(default_factory=RunConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -266,7 +266,7 @@ class TrainConfig:
 
 
 # ---------------------------------------------------------------------------- the command line
-PRETRAIN_GROUPS = ("run", "optim", "model", "data", "system")
+PRETRAIN_GROUPS = ("output", "optim", "model", "data", "system")
 PRETRAIN_DESCRIPTION = "MiniMind pre-training (single process, torchrun DDP/FSDP, multi-node)"
 
 
@@ -304,6 +304,8 @@ def shown(value) -> str:
     """A default as a user types it."""
     if isinstance(value, tuple):
         return ",".join(f"{v:g}" for v in value)
+    if isinstance(value, float):
+        return f"{value:g}"
     return str(value).replace(str(REPO_ROOT), "<repo>")
 
 
@@ -322,7 +324,7 @@ def check_config(cfg: TrainConfig, cuda: bool = False):
             problem = f.metadata["check"] and f.metadata["check"](getattr(getattr(cfg, group), f.name))
             if problem:
                 raise UserError(f"--{f.name} {problem}")
-    name = cfg.run.save_weight
+    name = cfg.output.save_weight
     if not name or set(name) & {"/", "\\"} or name in (".", ".."):
         raise UserError(f"--save_weight {name!r} is a file name prefix, not a path: pass a plain name such as "
                         f"pretrain (folders go in --save_dir)")
@@ -349,10 +351,11 @@ def check_config(cfg: TrainConfig, cuda: bool = False):
 
 
 # ---------------------------------------------------------------------------- resuming: the one rule
-def resume_config(cfg: TrainConfig, typed: frozenset, stored: dict) -> tuple[TrainConfig, dict]:
+def resume_config(cfg: TrainConfig, typed: frozenset, stored: dict, source: str = "the checkpoint") -> tuple:
     """The config a resume trains with, and where each flag's value came from ("typed",
     "stored" or "default"). `stored`: the checkpoint's record of its config, {group: {flag:
-    value}} (a record written before configs were stored holds only its optimizer's entries).
+    value}} (a record written before configs were stored holds only its optimizer's entries);
+    `source`: that checkpoint, for the error line.
 
     The run's groups take the stored values, but for the flags typed here; "auto" typed is
     no value and leaves the stored one. A typed value in FIXED that the checkpoint contradicts
@@ -366,7 +369,7 @@ def resume_config(cfg: TrainConfig, typed: frozenset, stored: dict) -> tuple[Tra
             now = cfg.flags()[name]
             if name in typed and now != "auto":
                 if name in FIXED and now != was:
-                    raise UserError(f"--{name} {now}: the checkpoint this run resumes trained with --{name} {was}; "
+                    raise UserError(f"--{name} {now}: {source} this run resumes trained with --{name} {was}; "
                                     f"pass that (or leave the flag out), or start anew")
                 origin[name] = "typed"
                 continue
@@ -440,23 +443,3 @@ def default_weight_path(save_dir, hidden_size=None, use_moe=None, save_weight="p
     """Where a default training run with these shape flags left its weights (what the scripts
     read when given no --weight_path)."""
     return Path(weights_path(save_dir, run_prefix(save_weight, hidden_size or FLAG_DEFAULTS["hidden_size"], use_moe)))
-
-
-WEIGHT_SUFFIXES = (".pth", ".safetensors")
-
-
-def initial_weights(cfg: TrainConfig) -> str | None:
-    """The file --from_weight names, or None to start from scratch. A path is taken as it is;
-    a plain name is MiniMind's: the weights a stage of that --save_weight saved in --save_dir
-    for this shape (pretrain -> {save_dir}/pretrain_{hidden}[_moe].pth), which must exist."""
-    value = cfg.model.from_weight
-    if value is None or value.lower() == "none":
-        return None
-    if Path(value).suffix in WEIGHT_SUFFIXES or os.sep in value or Path(value).exists():
-        return value
-    path = weights_path(cfg.run.save_dir, run_prefix(value, cfg.model.hidden_size, cfg.model.use_moe))
-    if not Path(path).is_file():
-        raise UserError(f"--from_weight {value}: no {path} (a name means {{save_dir}}/{value}_{{hidden}}[_moe].pth, "
-                        f"as MiniMind names it): train that stage first, pass the weights file itself, or pass "
-                        f"--from_weight none to start from scratch")
-    return path

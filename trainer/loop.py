@@ -25,8 +25,8 @@ from dataset.token_bytes import token_byte_lengths
 from model.model_minimind import count_parameters
 from trainer.checkpoint import CheckpointManager, check_output_dirs, newest_record
 from trainer.config import (
-    TrainConfig, check_config, initial_weights, legacy_record, metrics_path, parse_config, resolve_auto, resume_config,
-    run_prefix, weights_path,
+    TrainConfig, check_config, legacy_record, metrics_path, parse_config, resolve_auto, resume_config, run_prefix,
+    weights_path,
 )
 from trainer.data import (
     LoaderStalled, ResumableDistributedSampler, TrainData, check_worker_tmpdir, global_batches, make_train_loader,
@@ -42,7 +42,7 @@ from trainer.metrics import Profiling, RunLogger, Throughput, device_peak_flops,
 from trainer.optim import build_optimizer, describe, set_lr
 from trainer.step import Requests, StepTotals, TrainParts, optimizer_step
 from trainer.train_state import ModelState, RNGState, ScalerState, TrainState, plan_steps
-from trainer.trainer_utils import init_model, model_config, setup_seed, zero_output_projections
+from trainer.trainer_utils import init_model, initial_weights, model_config, setup_seed, zero_output_projections
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class Stage:
     build_data: Callable[..., TrainData]  # (config, tokenizer, vocab_size) -> its samples
     demo_data: Path  # the default --data_path, built on first use by build_demo(path)
     build_demo: Callable[[Path], object]
-    groups: tuple = ("run", "optim", "model", "data", "system")  # its flags (trainer/config.py)
+    groups: tuple = ("output", "optim", "model", "data", "system")  # its flags (trainer/config.py)
     defaults: dict = field(default_factory=dict)  # flag defaults other than pre-training's
     help: dict = field(default_factory=dict)  # --help texts other than pre-training's, by flag
     chat: bool = False  # the model it trains answers in turns: --eval_task asks it so (trainer/evaluate.py)
@@ -61,15 +61,16 @@ class Stage:
 def train(cfg: TrainConfig, typed: frozenset, env, stage: Stage) -> int:
     # ------------------------------------------------------------------ 1. output folders, tokenizer, model config
     sharded = cfg.system.parallel == "fsdp" and env.distributed
-    check_output_dirs(cfg.run.save_dir, cfg.run.checkpoint_dir, sharded)
+    check_output_dirs(cfg.output.save_dir, cfg.output.checkpoint_dir, sharded)
     tokenizer = load_tokenizer(cfg.model.tokenizer_path)
     config = model_config(cfg, typed)
-    prefix = run_prefix(cfg.run.save_weight, config.hidden_size, config.use_moe)
+    prefix = run_prefix(cfg.output.save_weight, config.hidden_size, config.use_moe)
 
     # ------------------------------------------------------------------ 2. the resumed config, data, what auto becomes
     origin = dict.fromkeys(typed, "typed")
-    if cfg.run.from_resume:  # the same flag on every rank: all of them join newest_record()'s broadcast, or none does
-        cfg, origin = resume_config(cfg, typed, legacy_record(newest_record(cfg.run.checkpoint_dir, prefix)))
+    if cfg.output.from_resume:  # the same flag on every rank: all of them join newest_record()'s broadcast, or none does
+        record = newest_record(cfg.output.checkpoint_dir, prefix)
+        cfg, origin = resume_config(cfg, typed, legacy_record(record), f"checkpoint {record.get('path')}")
         config = model_config(cfg, typed)
     check_model_fits(cfg, tokenizer, config)
     ensure_data(cfg, env.local_rank, stage)
@@ -78,19 +79,19 @@ def train(cfg: TrainConfig, typed: frozenset, env, stage: Stage) -> int:
     task = encode_task(tokenizer, load_task(cfg.data.eval_task), chat=stage.chat) if cfg.data.eval_task else None
     plan = plan_steps(cfg.optim, cfg.data.data_path, len(data.train), env.world_size)
     cfg = resolve_auto(cfg, origin, env.device, sharded, config, plan.samples_per_step * cfg.model.max_seq_len)
-    configure_cuda(env.device, cfg.system.dtype)
+    configure_cuda(env.device, getattr(torch, cfg.system.dtype))
 
     # ------------------------------------------------------------------ 3. model, parallelism, optimizer
     parts = build_parts(cfg, env, config, initial_weights(cfg), tokenizer.bos_token_id, data.packed)
 
     # ------------------------------------------------------------------ 4. checkpoints, resume
     state, model_state = TrainState(plan), ModelState(parts.model, parts.optimizer)
-    checkpoints = CheckpointManager(cfg.run.checkpoint_dir, prefix, config.to_dict(), model_state,
+    checkpoints = CheckpointManager(cfg.output.checkpoint_dir, prefix, config.to_dict(), model_state,
                                     {"train_state": state, "scaler": ScalerState(parts.scaler), "rng": RNGState()},
-                                    cfg.run.keep_last, sharded, weights_path(cfg.run.save_dir, prefix),
+                                    cfg.output.keep_last, sharded, weights_path(cfg.output.save_dir, prefix),
                                     config=cfg.record())
     checkpoints.tidy(model_state.estimated_bytes())
-    saved = checkpoints.resume() if cfg.run.from_resume else None  # the same flag on every rank: a collective
+    saved = checkpoints.resume() if cfg.output.from_resume else None  # the same flag on every rank: a collective
     if saved is not None:
         Logger(f"resumed from {saved['path']} at step {state.global_step}/{plan.total_steps}")
         if state.global_step >= plan.total_steps:
@@ -109,14 +110,14 @@ def train(cfg: TrainConfig, typed: frozenset, env, stage: Stage) -> int:
                                                                env.rank, env.world_size, pin)
     byte_lengths = token_byte_lengths(tokenizer, config.vocab_size).to(env.device)
     clock = TrainClock(env.device)
-    log = RunLogger(metrics_path(cfg.run.save_dir, prefix), cfg.run, prefix, state,
+    log = RunLogger(metrics_path(cfg.output.save_dir, prefix), cfg.output, prefix, state,
                     {**cfg.flags(), "accumulation_steps": plan.accumulation_steps}, is_main_process(), clock, env.device)
     state.wandb_run_id = log.wandb_run_id
-    preempt, save_clock = PreemptionFlag(), SaveClock(cfg.run.save_every_minutes, is_main_process())
+    preempt, save_clock = PreemptionFlag(), SaveClock(cfg.output.save_every_minutes, is_main_process())
     preempt.install()
     profiling = None
     if Profiling.requested(cfg.system):
-        profiling = Profiling(os.path.join(cfg.run.save_dir, "profile"), prefix, env.rank, env.device,
+        profiling = Profiling(os.path.join(cfg.output.save_dir, "profile"), prefix, env.rank, env.device,
                               cfg.system.profile_steps, cfg.system.memory_snapshot, start_step, plan.total_steps)
     throughput = Throughput(plan.samples_per_step * cfg.model.max_seq_len, clock, start_step, state.tokens_seen)
     peak_flops = device_peak_flops(env.device)
@@ -149,10 +150,10 @@ def train(cfg: TrainConfig, typed: frozenset, env, stage: Stage) -> int:
             bad_steps = count_bad_step(result.skipped, bad_steps, step, cfg.optim.max_bad_steps)
 
             last = step == plan.total_steps
-            log_now = step % cfg.run.log_interval == 0 or last
+            log_now = step % cfg.output.log_interval == 0 or last
             eval_now = (val_loader or task) is not None and (last or (cfg.data.eval_interval and
                                                                        step % cfg.data.eval_interval == 0))
-            save_now = step % cfg.run.save_interval == 0 or result.save or last or result.stop
+            save_now = step % cfg.output.save_interval == 0 or result.save or last or result.stop
             if log_now or eval_now:
                 state.read_tokens()
             if log_now:
@@ -171,12 +172,12 @@ def train(cfg: TrainConfig, typed: frozenset, env, stage: Stage) -> int:
             if eval_now:
                 log.log_val(step, state.tokens_seen, val, scores)
             if result.stop:
-                Logger(f"preempted: saved step {step} to {cfg.run.checkpoint_dir}; resume with --from_resume 1")
+                Logger(f"preempted: saved step {step} to {cfg.output.checkpoint_dir}; resume with --from_resume 1")
                 log.close()
                 return 128 + (preempt.signum or 15)
     log.close()
     Logger(f"done: {state.global_step} steps, {state.tokens_seen:,} tokens; weights in "
-           f"{weights_path(cfg.run.save_dir, prefix)}")
+           f"{weights_path(cfg.output.save_dir, prefix)}")
     return 0
 
 
@@ -340,7 +341,7 @@ def run(stage: Stage, argv=None):
         fail(str(exc), code=1, this_rank_only=True)
     except BaseException as exc:
         if env.distributed and peer_lost(exc):
-            exit_peer_lost(exc, bool(cfg.run.from_resume))
+            exit_peer_lost(exc, bool(cfg.output.from_resume))
         cleanup_distributed(clean=False)
         raise
     cleanup_distributed(clean=True)

@@ -1,5 +1,6 @@
 """What a run reports about itself: rank 0's log line, JSONL metrics file, progress bar and
-wandb run, its throughput and MFU, and, on request, profiler traces and memory snapshots.
+wandb run, its throughput and MFU, and, on request, profiler traces and memory snapshots; and
+the FLOPs they rest on, with Muon's share of a step's (what --optimizer auto weighs).
 
 MFU (model FLOPs utilisation) uses the usual estimate of training FLOPs per token:
 
@@ -24,7 +25,9 @@ import torch
 from tqdm import tqdm
 
 from common.storage import StorageError, append_text, atomic_write_text
+from model.model_minimind import MiniMindForCausalLM, count_parameters
 from trainer.distributed import Logger, peer_lost
+from trainer.optim import is_block_matrix, newton_schulz_flops
 
 # Dense (not 2:4 sparse) bf16 tensor-core peaks in TFLOP/s, matched against
 # torch.cuda.get_device_name(). The first pattern that matches wins, so a form factor
@@ -55,6 +58,17 @@ def peak_memory_mib(device: torch.device) -> float:
 def flops_per_token(config, active_params: int, seq_len: int) -> float:
     attention = 12 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * seq_len
     return 6 * active_params + attention
+
+
+def muon_flop_share(config, tokens_per_step: int, seq_len: int) -> float:
+    """Newton-Schulz FLOPs of one Muon step over the forward and backward FLOPs of the optimizer
+    step (tokens_per_step tokens in all ranks' micro-batches); per rank too, up to rounding, as
+    both are split across the ranks. The model is built on the meta device: shapes only."""
+    with torch.device("meta"):
+        model = MiniMindForCausalLM(config)
+    shapes = [tuple(p.shape) for name, p in model.named_parameters() if is_block_matrix(name, p)]
+    step_flops = flops_per_token(config, count_parameters(model)[1], seq_len) * tokens_per_step
+    return newton_schulz_flops(shapes) / step_flops
 
 
 def peak_bf16_tflops(device_name: str) -> float | None:
@@ -103,11 +117,11 @@ def _wandb_key_available() -> bool:
 class RunLogger:
     """No-op on ranks other than 0, so the loop can call it unconditionally.
 
-    `path`: the metrics file; `run`: the config's run group (wandb, resume); `state`: the run's
+    `path`: the metrics file; `output`: the config's output group (wandb, resume); `state`: the run's
     TrainState (where it starts, its plan, its wandb run id); `config`: the resolved config, as
     wandb records it."""
 
-    def __init__(self, path: str, run, prefix: str, state, config: dict, enabled: bool, clock,
+    def __init__(self, path: str, output, prefix: str, state, config: dict, enabled: bool, clock,
                  device: torch.device = torch.device("cpu")):
         self.enabled = enabled
         self.device, self.clock = device, clock
@@ -118,13 +132,13 @@ class RunLogger:
         self.wandb_run_id = state.wandb_run_id
         if not enabled:
             return
-        os.makedirs(run.save_dir, exist_ok=True)
+        os.makedirs(output.save_dir, exist_ok=True)
         self.path = path
-        self._truncate_after(start_step if run.from_resume else -1)
+        self._truncate_after(start_step if output.from_resume else -1)
         self.bar = tqdm(total=self.total_steps, initial=start_step, desc="train", dynamic_ncols=True,
                         disable=not sys.stderr.isatty())
-        if run.use_wandb:
-            self._start_wandb(run.wandb_project, prefix, run.save_dir, config)
+        if output.use_wandb:
+            self._start_wandb(output.wandb_project, prefix, output.save_dir, config)
 
     def _truncate_after(self, step: int):
         """Drop rows a resumed run will redo (all rows for a fresh run)."""

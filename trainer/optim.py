@@ -3,36 +3,28 @@ Newton-Schulz iteration and NorMuon), and the learning-rate schedule.
 
 Groups (each carries a "name"; its peak lr is peak_lr's):
     muon       with Muon, the 2-D matrices inside the transformer blocks
-    decay      the other 2-D AdamW weights (the embedding = tied output head; with AdamW alone, every matrix)
-    no_decay   norms and other 1-D parameters: AdamW without weight decay (nanoGPT's rule);
-               decaying a norm's gain towards 0 only fights the weights that follow it
+    decay      the other 2-D weights, AdamW's (the embedding = tied head; without Muon, every matrix)
+    no_decay   norms and other 1-D parameters: AdamW without decay, which would only pull a norm's
+               gain towards 0 against the weights that follow it (nanoGPT's rule)
     all        --param_groups single: MiniMind's recipe, AdamW on everything with one decay
 
-Muon's update of a matrix W with gradient G is torch.optim.Muon's:
+Muon updates a matrix W with gradient G as torch.optim.Muon does:
 
-    B <- lerp(B, G, 1 - momentum)                  momentum buffer (an average of gradients)
-    U <- lerp(G, B, momentum)                      Nesterov's look-ahead
-    O <- NewtonSchulz5(U / |U|)                    close to the nearest orthogonal matrix
+    B <- lerp(B, G, 1 - momentum);  U <- lerp(G, B, momentum)       momentum, Nesterov's look-ahead
+    O <- NewtonSchulz5(U / |U|)                                      close to the nearest orthogonal matrix
     W <- W * (1 - lr * weight_decay) - lr * sqrt(max(1, rows / cols)) * O
 
-With NorMuon (--normuon 1; Li et al., 2025) O's rows (output neurons) are evened out first: each
-is divided by the root of its running mean square v <- lerp(v, mean(O_row^2), 1 - 0.95), kept
-per row in the state ("row_second_moment"), and the result is scaled back to O's Frobenius
-norm. What this file adds to torch's Muon is where and how O is computed:
-  * Batched. Newton-Schulz runs on a matrix with rows <= cols (a tall one is taken transposed),
-    so q and o, k and v, and gate, up and down of every layer fall into three stacks, each
-    orthogonalised by one batched iteration instead of dozens of small ones.
-  * Split across ranks. Matrix i of a stack of n belongs to rank i // ceil(n / W). Under DDP
-    every rank holds the averaged gradient, orthogonalises its share, and one all-gather gives
-    every rank every result, so the replicas stay bitwise equal. Under FSDP2 a rank holds rows
-    of every matrix; one all-to-all brings each owner all rows of its matrices and a second
-    returns every rank its rows of the result. NorMuon's v is sharded as W is; only its two
-    norms per matrix need every rank's rows (_every_rank_rows).
-  * In the run's precision: bf16 under bf16 autocast, fp32 in an fp32 run (torch's is always
-    bf16), so an fp32 run is the same run at any world size to float noise.
-  * Compiled on CUDA: the iteration and NorMuon's arithmetic, which see no learning rate.
-Its param groups and state are torch.optim.Muon's key for key, so a checkpoint of either resumes
-with this one; NorMuon's v starts at zero where a checkpoint has none.
+NorMuon (--normuon 1) then evens O's rows: each is divided by the root of its running mean
+square v (per row, in the state as "row_second_moment"), and the result is scaled back to O's
+norm. What this file adds to torch's Muon is where and how O is computed: batched (every matrix
+taken wide, so each layer's q/o, k/v and MLP matrices fall into three stacks, one batched
+iteration each); split across ranks (matrix i of a stack of n is rank i // ceil(n / W)'s: under
+DDP one all-gather then hands every rank every result, so the replicas stay bitwise equal; under
+FSDP2 one all-to-all brings each owner the rows of its matrices and a second returns every rank
+its rows); in the run's precision (bf16 under bf16 autocast, fp32 in an fp32 run, which stays
+the same run at any world size to float noise; torch's is always bf16); and compiled on CUDA
+(the iteration and NorMuon's arithmetic, which see no learning rate). Its param groups and state
+are torch.optim.Muon's key for key, so a checkpoint of either resumes with this one.
 """
 import math
 from dataclasses import dataclass
@@ -41,9 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from model.model_minimind import MiniMindForCausalLM, count_parameters
 from trainer.distributed import local_part
-from trainer.metrics import flops_per_token
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic, torch.optim.Muon's
 NS_STEPS = 5
@@ -75,9 +65,8 @@ def param_groups(model, optimizer: str, param_groups: str, weight_decay: float) 
 
 
 class Optimizers(list):
-    """AdamW and Muon used as one optimizer: step, zero_grad, param_groups and state span both.
-    GradScaler sees one object with every group, and, being the list of optimizers it is, it is
-    what torch.distributed's get_state_dict takes, so checkpoints hold both by parameter name."""
+    """AdamW and Muon as one optimizer (for GradScaler, the loop, the schedule), and the list of
+    them that torch.distributed's get_state_dict takes: checkpoints hold both by parameter name."""
 
     @property
     def param_groups(self) -> list[dict]:
@@ -98,9 +87,8 @@ class Optimizers(list):
 
 def build_optimizer(model, optim, ns_dtype: torch.dtype = torch.float32, compile_update: bool = False,
                     replica_group=None, fused: bool = True) -> Optimizers:
-    """AdamW over the AdamW groups, and Muon over the block matrices. `optim`: the config's
-    resolved optim group; `replica_group`: the DDP ranks, which share Muon's Newton-Schulz work
-    (FSDP's sharded parameters carry their own). fused: torch's fused AdamW, on CPU and CUDA."""
+    """AdamW (torch's fused one) over the AdamW groups, Muon over the block matrices. `optim`: the
+    config's resolved optim group; `replica_group`: the DDP ranks, which share Muon's work."""
     groups = param_groups(model, optim.optimizer, optim.param_groups, optim.weight_decay)
     adamw = torch.optim.AdamW([g for g in groups if g["name"] != "muon"], lr=optim.learning_rate,
                               betas=optim.adam_betas, fused=fused)
@@ -127,17 +115,6 @@ def describe(optimizer: Optimizers, optim) -> str:
     parts.append(f"lr schedule {optim.lr_schedule} ({optim.warmup_steps} warmup steps{cooldown}, floor "
                  f"{optim.min_lr_frac:g} of each peak)")
     return "optimizer: " + "; ".join(parts)
-
-
-def muon_flop_share(config, tokens_per_step: int, seq_len: int) -> float:
-    """Newton-Schulz FLOPs of one Muon step over the forward and backward FLOPs of the optimizer
-    step (tokens_per_step tokens in all ranks' micro-batches); per rank too, up to rounding, as
-    both are split across the ranks. The model is built on the meta device: shapes only."""
-    with torch.device("meta"):
-        model = MiniMindForCausalLM(config)
-    shapes = [tuple(p.shape) for name, p in model.named_parameters() if is_block_matrix(name, p)]
-    step_flops = flops_per_token(config, count_parameters(model)[1], seq_len) * tokens_per_step
-    return newton_schulz_flops(shapes) / step_flops
 
 
 # ---------------------------------------------------------------------------- the schedule
@@ -239,9 +216,9 @@ def stacks_of(shapes) -> list[Stack]:
 
 
 class Muon(torch.optim.Optimizer):
-    """torch.optim.Muon's update, batched, split over `process_group` and in `ns_dtype`, with
-    NorMuon as an option. process_group: the ranks whose gradients DDP has averaged (None: this
-    process does all the work); FSDP2 parameters (DTensors) bring their mesh's group."""
+    """torch.optim.Muon's update, batched, split over `process_group` (the ranks whose gradients
+    DDP has averaged; None: this process does all the work; FSDP2 parameters bring their mesh's)
+    and in `ns_dtype`, with NorMuon as an option."""
 
     def __init__(self, params, lr: float = 0.02, weight_decay: float = 0.0, momentum: float = MUON_MOMENTUM,
                  nesterov: bool = True, ns_coefficients=NS_COEFFICIENTS, eps: float = EPS, ns_steps: int = NS_STEPS,
@@ -257,8 +234,7 @@ class Muon(torch.optim.Optimizer):
                 if p.ndim != 2:
                     raise ValueError(f"Muon takes 2-D matrices only, got a parameter of shape {tuple(p.shape)}")
         self.ns_dtype, self.process_group, self.normuon = ns_dtype, process_group, normuon
-        # Compiled on CUDA, where launching their many small ops one by one would cost more than
-        # the arithmetic (NorMuon is about 20 ops per matrix).
+        # Compiled on CUDA, where launching their many small ops one by one costs more than the arithmetic.
         maybe_compile = (lambda fn: torch.compile(fn, dynamic=False)) if compile_update else (lambda fn: fn)
         self._newton_schulz = maybe_compile(newton_schulz)
         self._row_stats, self._rescale = maybe_compile(row_stats), maybe_compile(rescale)
@@ -341,8 +317,8 @@ def rescale(updates, inv_rms, figures) -> list:
 
 
 def _every_rank_rows(params, figures) -> list:
-    """Each matrix's per-row `figures` for all its rows, in the same bits on every layout: under
-    FSDP each rank sets its rows among zeros and one all-reduce fills in every rank's."""
+    """Each matrix's per-row `figures` for all its rows, the same bits on every layout (under FSDP
+    each rank sets its rows among zeros, and one all-reduce fills in every rank's)."""
     if not isinstance(params[0], DTensor):
         return figures
     pg = _mesh_group(params[0])

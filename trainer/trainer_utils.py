@@ -1,12 +1,14 @@
 """The shared module of the training scripts, where MiniMind users look for its entry points:
 get_lr, Logger, is_main_process, init_distributed_mode, setup_seed, init_model and
-lm_checkpoint. As in MiniMind, the seeding and the model's construction are defined here (the
-loop builds its model with them); the rest are defined where their concept lives (the schedule
+lm_checkpoint. As in MiniMind, the seeding and the model's construction (its config, its first
+weights, its initialisation) are defined here, and the loop builds its model with them; the rest are defined where their concept lives (the schedule
 in trainer/optim.py, the process group in trainer/distributed.py, checkpoints in
 trainer/checkpoint.py) and exported here by name, the very functions the trainer uses
 (tests/test_trainer_utils.py fails otherwise). Only trainer/loop.py imports this module, so
 there is no cycle."""
+import os
 import random
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -16,15 +18,33 @@ from model.model_minimind import MiniMindConfig, MiniMindForCausalLM, count_para
 from model.shape_flags import resolve_config
 from model.weights import build_model, load_weights, read_sidecar
 from trainer.checkpoint import CheckpointManager
-from trainer.config import initial_weights
+from trainer.config import run_prefix, weights_path
 from trainer.distributed import Logger, init_distributed_mode, is_main_process
 from trainer.optim import get_lr
 from trainer.train_state import ModelState
 
 __all__ = ["get_lr", "Logger", "is_main_process", "init_distributed_mode", "setup_seed", "init_model",
-           "model_config", "zero_output_projections", "lm_checkpoint"]
+           "initial_weights", "model_config", "zero_output_projections", "lm_checkpoint"]
 
 SHAPE_FLAGS = ("hidden_size", "num_hidden_layers", "use_moe", "vocab_size")  # the model group's shape flags
+WEIGHT_SUFFIXES = (".pth", ".safetensors")
+
+
+def initial_weights(cfg) -> str | None:
+    """The file --from_weight names, or None to start from scratch. A path is taken as it is;
+    a plain name is MiniMind's: the weights a stage of that --save_weight saved in --save_dir
+    for this shape (pretrain -> {save_dir}/pretrain_{hidden}[_moe].pth), which must exist."""
+    value = cfg.model.from_weight
+    if value is None or value.lower() == "none":
+        return None
+    if Path(value).suffix in WEIGHT_SUFFIXES or os.sep in value or Path(value).exists():
+        return value
+    path = weights_path(cfg.output.save_dir, run_prefix(value, cfg.model.hidden_size, cfg.model.use_moe))
+    if not Path(path).is_file():
+        raise UserError(f"--from_weight {value}: no {path} (a name means {{save_dir}}/{value}_{{hidden}}[_moe].pth, "
+                        f"as MiniMind names it): train that stage first, pass the weights file itself, or pass "
+                        f"--from_weight none to start from scratch")
+    return path
 
 
 def setup_seed(seed: int):

@@ -1,0 +1,295 @@
+"""trainer/config.py and trainer/device.py: the typed config built from the command line, the
+one rule a resume follows, and what the auto flags become: --dtype auto and --optimizer auto on
+each kind of machine (the hardware facts passed in), the schedule, NorMuon and Muon's lr of a new
+run, and how a resume keeps its checkpoint's."""
+import json
+import re
+
+import pytest
+import torch
+
+from common.errors import UserError
+from tests.jobs import run_trainer
+from tests.run_outputs import latest_checkpoint, out_args
+from tests.tiny import TINY, ensure_demo_corpus
+from trainer import device
+from trainer.config import (
+    FIXED, TrainConfig, fresh_recipe, legacy_record, parse_config, resolve_auto, resume_config,
+)
+from trainer.device import resolve_dtype, resolve_optimizer
+from trainer.metrics import muon_flop_share
+
+AMX_XEON = frozenset({"fpu", "avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
+AVX512_BF16_ONLY = frozenset({"avx2", "avx512f", "avx512_bf16"})
+EPYC_NO_BF16 = frozenset({"fpu", "avx2", "avx512f", "avx512bw"})
+
+
+# ---------------------------------------------------------------------------- the config
+def test_the_config_holds_every_default_and_knows_what_was_typed():
+    cfg, typed = parse_config(["--learning_rate", "1e-3", "--hidden_size", "256", "--use_wandb"])
+    assert typed == {"learning_rate", "hidden_size", "use_wandb"}
+    assert (cfg.optim.learning_rate, cfg.model.hidden_size, cfg.output.use_wandb) == (1e-3, 256, True)
+    assert cfg.optim.batch_size == 32 and cfg.optim.muon_lr == "auto"  # defaults, as the fields give them
+    assert cfg == TrainConfig.of(learning_rate=1e-3, hidden_size=256, use_wandb=True)
+    with pytest.raises(Exception):
+        cfg.optim.learning_rate = 1.0  # frozen: built once
+    record = cfg.record()
+    assert record["optim"]["learning_rate"] == 1e-3 and set(record) == {"output", "optim", "model", "data", "system",
+                                                                       "chat"}
+
+
+def test_fine_tunings_defaults_are_one_table_of_overrides():
+    from trainer.train_full_sft import SFT, SFT_DEFAULTS
+
+    cfg, typed = parse_config(["--seed", "3"], SFT)
+    assert typed == {"seed"} and cfg.optim.seed == 3
+    for name, value in SFT_DEFAULTS.items():
+        assert cfg.flags()[name] == value, name
+    assert parse_config([])[0].optim.lr_schedule == "auto"  # pre-training's own default is untouched
+    with pytest.raises(SystemExit):
+        parse_config(["--add_system_ratio", "0.5"])  # pre-training has no conversation flags
+
+
+def test_the_resume_rule_stored_values_typed_flags_and_fixed_ones():
+    stored = TrainConfig.of(learning_rate=1e-3, num_hidden_layers=4, lr_schedule="cosine", normuon=0, muon_lr=0.01,
+                            optimizer="muon", save_interval=7, dtype="bfloat16").record()
+    cfg, typed = parse_config(["--max_steps", "50", "--optimizer", "auto"])
+    resumed, origin = resume_config(cfg, typed, stored)
+    # the run's groups come from the checkpoint ...
+    assert (resumed.optim.learning_rate, resumed.model.num_hidden_layers, resumed.optim.lr_schedule,
+            resumed.optim.normuon, resumed.optim.muon_lr, resumed.optim.optimizer) == (1e-3, 4, "cosine", 0, 0.01, "muon")
+    assert origin["learning_rate"] == origin["optimizer"] == "stored"  # "auto" typed is no value
+    # ... but for what was typed here; the launch's groups are this command line's
+    assert resumed.optim.max_steps == 50 and origin["max_steps"] == "typed"
+    assert (resumed.output.save_interval, resumed.system.dtype) == (100, "auto")
+    typed_lr = resume_config(*parse_config(["--learning_rate", "2e-3", "--muon_lr", "0.004"]), stored)[0]
+    assert (typed_lr.optim.learning_rate, typed_lr.optim.muon_lr) == (2e-3, 0.004)  # a user's call, as before
+    for flag, value in [("lr_schedule", "wsd"), ("normuon", "1"), ("optimizer", "adamw"), ("num_hidden_layers", "8")]:
+        assert flag in FIXED
+        with pytest.raises(UserError, match=rf"^--{flag} {value}: the checkpoint this run resumes trained with "):
+            resume_config(*parse_config([f"--{flag}", value]), stored, "the checkpoint")
+    same = resume_config(*parse_config(["--num_hidden_layers", "4"]), stored)[0]  # agreeing is fine
+    assert same.model.num_hidden_layers == 4
+
+
+def test_a_record_of_an_earlier_version_names_its_optimizer_and_schedule():
+    record = {"global_step": 4, "optimizer": "muon", "lr_schedule": "cosine", "normuon": 0, "muon_lr": 0.02}
+    assert legacy_record(record) == {"optim": {"optimizer": "muon", "lr_schedule": "cosine", "normuon": 0,
+                                               "muon_lr": 0.02}}
+    assert legacy_record({"global_step": 4}) == {}
+    whole = TrainConfig().record()
+    assert legacy_record({"config": whole}) is whole
+
+
+def test_auto_for_a_new_run_and_for_a_resume():
+    from model.model_minimind import MiniMindConfig
+
+    model = MiniMindConfig(hidden_size=256, num_hidden_layers=2)
+    cfg = resolve_auto(TrainConfig.of(dtype="float32"), {}, torch.device("cpu"), False, model, 8 * 340)
+    assert (cfg.optim.optimizer, cfg.optim.lr_schedule, cfg.optim.normuon, cfg.optim.muon_lr) == ("muon", "wsd", 1, 0.01)
+    adamw = resolve_auto(TrainConfig.of(dtype="float32", optimizer="adamw"), {"optimizer": "typed"},
+                         torch.device("cpu"), False, model, 8 * 340)
+    assert adamw.optim.normuon == 0  # NorMuon is Muon's
+    kept = resolve_auto(TrainConfig.of(dtype="float32", optimizer="adamw", lr_schedule="cosine", muon_lr=0.03),
+                        {"lr_schedule": "stored"}, torch.device("cpu"), False, model, 8 * 340)
+    assert (kept.optim.lr_schedule, kept.optim.muon_lr) == ("cosine", 0.03)
+
+
+@pytest.mark.parametrize("hidden_size, muon_lr", [(64, 0.01), (256, 0.01), (384, 0.015), (512, 0.02), (768, 0.02)])
+def test_a_new_runs_muon_lr_follows_the_width_it_was_measured_at(hidden_size, muon_lr):
+    """0.01 at 256 and 0.02 at 512 (docs/time-to-quality.md), a straight line between, held beyond."""
+    assert fresh_recipe(hidden_size)["muon_lr"] == muon_lr
+
+
+# ---------------------------------------------------------------------------- auto on each machine
+@pytest.mark.parametrize("flag, device_type, cpu_flags, cuda_bf16, sharded, expected", [
+    ("auto", "cpu", AMX_XEON, False, False, "bfloat16"),
+    ("auto", "cpu", AVX512_BF16_ONLY, False, False, "bfloat16"),
+    ("auto", "cpu", EPYC_NO_BF16, False, False, "float32"),
+    ("auto", "cpu", frozenset(), False, False, "float32"),
+    ("auto", "cuda", frozenset(), True, False, "bfloat16"),
+    ("auto", "cuda", frozenset(), False, False, "float16"),
+    ("auto", "cuda", frozenset(), False, True, "float32"),  # FSDP: no sharded GradScaler
+    ("float32", "cuda", frozenset(), True, False, "float32"),
+    ("bfloat16", "cpu", EPYC_NO_BF16, False, False, "bfloat16"),
+])
+def test_resolve_dtype(flag, device_type, cpu_flags, cuda_bf16, sharded, expected):
+    name, why = resolve_dtype(flag, device_type, cpu_flags, cuda_bf16, sharded)
+    assert name == expected
+    assert why
+
+
+@pytest.mark.parametrize("device_type, dtype, cpu_flags, groups, expected", [
+    ("cuda", "bfloat16", frozenset(), "split", "muon"),
+    ("cuda", "float32", frozenset(), "split", "muon"),    # fp32 Newton-Schulz (TF32 on CUDA)
+    ("cuda", "float16", frozenset(), "split", "adamw"),   # a T4: no bf16, fp32 Newton-Schulz is slow there
+    ("cpu", "bfloat16", AMX_XEON, "split", "muon"),
+    ("cpu", "bfloat16", AVX512_BF16_ONLY, "split", "muon"),
+    ("cpu", "float32", EPYC_NO_BF16, "split", "muon"),      # fp32 Newton-Schulz: fast on any CPU
+    ("cpu", "bfloat16", EPYC_NO_BF16, "split", "adamw"),    # --dtype bfloat16 where it is emulated
+    ("cuda", "bfloat16", frozenset(), "single", "adamw"),  # MiniMind's one AdamW group
+])
+def test_resolve_optimizer(device_type, dtype, cpu_flags, groups, expected):
+    name, why = resolve_optimizer(device_type, dtype, cpu_flags, groups)
+    assert name == expected
+    assert why.startswith("auto: ")
+
+
+@pytest.mark.parametrize("share, expected", [(0.0, "muon"), (0.75, "muon"), (0.76, "adamw"), (1.0, "adamw")])
+def test_auto_takes_adamw_where_newton_schulz_would_add_more_than_the_bound(share, expected):
+    for device_type, dtype, cpu_flags in [("cpu", "float32", EPYC_NO_BF16), ("cpu", "bfloat16", AMX_XEON),
+                                          ("cuda", "bfloat16", frozenset())]:
+        name, why = resolve_optimizer(device_type, dtype, cpu_flags, muon_share=share)
+        assert name == expected, (device_type, dtype)
+        assert f"{share:.0%}" in why and "75%" in why
+
+
+def test_the_muon_share_is_the_ratio_of_counted_flops():
+    """muon_flop_share against torch's FlopCounterMode: one Muon step's FLOPs over one forward
+    and backward of the same model on the same tokens (a tiny model, 8 x 64 tokens)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+    from trainer.optim import Muon
+    from trainer.optim import is_block_matrix
+
+    config = MiniMindConfig(hidden_size=64, num_hidden_layers=2)
+    model = MiniMindForCausalLM(config)
+    tokens = torch.randint(3, 6400, (8, 64))
+    with FlopCounterMode(display=False) as step:
+        model(tokens, labels=tokens).loss.backward()
+    matrices = [p for n, p in model.named_parameters() if is_block_matrix(n, p)]
+    with FlopCounterMode(display=False) as muon:
+        Muon(matrices).step()
+    counted = muon.get_total_flops() / step.get_total_flops()
+    estimated = muon_flop_share(config, tokens.numel(), 64)
+    assert estimated == pytest.approx(counted, rel=0.1), (estimated, counted)
+    # Measured on CPU (docs/performance.md, docs/time-to-quality.md): at 2,720 tokens a step 256 x 4 and
+    # 512 x 8 are Muon's, 768 x 8 is not; the 64M model at a GPU batch of 32 x 1024 is.
+    assert muon_flop_share(MiniMindConfig(hidden_size=256, num_hidden_layers=4), 2720, 340) < 0.25
+    assert 0.5 < muon_flop_share(MiniMindConfig(hidden_size=512, num_hidden_layers=8), 2720, 340) < 0.75
+    assert muon_flop_share(MiniMindConfig(hidden_size=768, num_hidden_layers=8), 2720, 340) > 0.75
+    assert muon_flop_share(MiniMindConfig(hidden_size=768, num_hidden_layers=8), 32768, 1024) < 0.1
+
+
+def test_the_default_run_picks_muon_on_every_cpu():
+    """Whatever the CPU, the trainer's defaults (MiniMind's 768 x 8 model, batch 32 x 340 tokens;
+    one process) with --dtype auto and --optimizer auto give Muon."""
+    from trainer.trainer_utils import model_config
+
+    cfg = parse_config([])[0]
+    assert (cfg.model.hidden_size, cfg.model.num_hidden_layers) == (768, 8)
+    tokens = cfg.optim.batch_size * cfg.optim.accumulation_steps * cfg.model.max_seq_len
+    share = muon_flop_share(model_config(cfg), tokens, cfg.model.max_seq_len)
+    for cpu_flags in (AMX_XEON, AVX512_BF16_ONLY, EPYC_NO_BF16, frozenset()):
+        dtype, _ = resolve_dtype("auto", "cpu", cpu_flags)
+        assert resolve_optimizer("cpu", dtype, cpu_flags, muon_share=share)[0] == "muon", (cpu_flags, share)
+
+
+def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: Xeon\nflags\t\t: fpu avx512f amx_bf16 amx_tile\n\n")
+    flags = device.read_cpu_flags(str(cpuinfo))
+    assert {"amx_bf16", "avx512f"} <= flags
+    assert resolve_dtype("auto", "cpu", flags)[0] == "bfloat16"
+    assert device.read_cpu_flags(str(tmp_path / "missing")) == frozenset()
+
+
+@pytest.mark.parametrize("capability, bf16_native, expected", [
+    ((9, 0), True, True), ((8, 0), True, True), ((7, 5), False, False), ((7, 0), True, False),
+])
+def test_cuda_bf16_detection(monkeypatch, capability, bf16_native, expected):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: bf16_native)
+    assert device.cuda_has_native_bf16(torch.device("cuda", 0)) is expected
+    assert device.detect_dtype("auto", torch.device("cuda", 0))[0] == ("bfloat16" if expected else "float16")
+
+
+def test_wandb_records_the_resolved_config_and_the_accumulation_global_batch_size_implies(tmp_path, monkeypatch):
+    """What wandb's run config holds: every flag, resolved, with --global_batch_size's accumulation."""
+    import sys
+    from types import SimpleNamespace
+
+    seen = {}
+    run = SimpleNamespace(id="fake", log=lambda *a, **k: None, finish=lambda: None)
+    monkeypatch.setitem(sys.modules, "wandb", SimpleNamespace(init=lambda **kw: seen.update(kw) or run))
+    ensure_demo_corpus()
+    result = run_trainer([*TINY, "--max_steps", "1", "--global_batch_size", "8", "--use_wandb", *out_args(tmp_path)],
+                         tmp_path, env={"WANDB_MODE": "offline"})
+    assert result.returncode == 0, result.stdout[-3000:]
+    config = seen["config"]
+    assert (config["accumulation_steps"], config["optimizer"], config["dtype"], config["lr_schedule"]) == \
+        (2, "muon", "float32", "wsd")
+
+
+def test_the_trainer_logs_what_optimizer_auto_chose_and_why_in_one_line(tmp_path):
+    """An fp32 run on any CPU: Muon, with the rule and the share behind it on one log line."""
+    ensure_demo_corpus()
+    result = run_trainer([*TINY, "--max_steps", "1", *out_args(tmp_path)], tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:]
+    lines = [line for line in result.stdout.splitlines() if "optimizer: muon (auto: " in line]
+    assert len(lines) == 1 and re.fullmatch(
+        r"optimizer: muon \(auto: Newton-Schulz in fp32, native here, adds (\d+)% to each step's FLOPs, "
+        r"within the 75% it may\)", lines[0]), lines
+
+
+def test_a_resume_with_fewer_tokens_per_step_keeps_muon(tmp_path):
+    """--optimizer auto weighs Newton-Schulz against the tokens of a step, which a resume may change
+    (another --batch_size, or another process count): the run keeps the optimizer its checkpoint
+    trained with (here 2 samples a step would have made auto pick AdamW, whose state Muon's is not),
+    and an explicit other optimizer stops at once in one line."""
+    ensure_demo_corpus()
+    base = [*TINY, *out_args(tmp_path), "--save_interval", "2", "--max_steps", "8"]
+    first = run_trainer([*base, "--max_steps", "2"], tmp_path / "first")
+    assert first.returncode == 0 and "optimizer: muon (auto: Newton-Schulz" in first.stdout, first.stdout[-3000:]
+    other = run_trainer([*base, "--batch_size", "2", "--from_resume", "1", "--optimizer", "adamw"], tmp_path / "other")
+    assert other.returncode == 2 and "Traceback" not in other.stdout
+    assert re.search(r"error: --optimizer adamw: checkpoint \S+_resume_step0000002.pth this run resumes trained with "
+                     r"--optimizer muon", other.stdout)
+    resumed = run_trainer([*base, "--batch_size", "2", "--from_resume", "1"], tmp_path / "resumed")
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert "optimizer: muon (the checkpoint's)" in resumed.stdout
+    assert re.search(r"resumed from \S+ at step 4/8", resumed.stdout)  # 2 steps of 4 samples: 4 of 2
+
+    # A checkpoint whose record names no config (written before it did): one line too.
+    for record in (tmp_path / "ckpt").glob("*.json"):
+        record.write_text(json.dumps({k: v for k, v in json.loads(record.read_text()).items() if k != "config"}))
+    older = run_trainer([*base, "--from_resume", "1", "--optimizer", "adamw"], tmp_path / "older")
+    assert older.returncode == 2 and "Traceback" not in older.stdout, older.stdout[-3000:]
+    assert "its optimizer state has no 'param_groups.0.momentum' for this run's optimizer" in older.stdout
+
+
+@pytest.mark.parametrize("record", ["whole", "earlier_version"])
+def test_a_resume_with_only_from_resume_trains_on_as_the_run_started(tmp_path, record):
+    """A run started with flags other than the defaults (the cosine, plain Muon, Muon at 0.02,
+    another warmup, decay and floor) resumes with `--from_resume 1` and none of them: bitwise the run it
+    would have been uninterrupted. Its record holds the whole config; a record of the version
+    before, which named only the optimizer, schedule, NorMuon and Muon's lr, resumes the same when
+    the rest is typed again. A flag the checkpoint contradicts stops in one line."""
+    ensure_demo_corpus()
+    base = [*TINY, "--save_interval", "3", "--max_steps", "6"]
+    recipe = ["--lr_schedule", "cosine", "--normuon", "0", "--muon_lr", "0.02"]
+    others = ["--warmup_steps", "2", "--weight_decay", "0.05", "--min_lr_frac", "0.2"]
+    whole = run_trainer([*base, *recipe, *others, *out_args(tmp_path / "whole")], tmp_path / "whole")
+    first = run_trainer([*base, *recipe, *others, "--max_steps", "3", *out_args(tmp_path / "cut")], tmp_path / "cut")
+    assert whole.returncode == 0 and first.returncode == 0, first.stdout[-3000:]
+    again = [*base, *out_args(tmp_path / "cut"), "--from_resume", "1"]
+    clash = run_trainer([*again, "--normuon", "1"], tmp_path / "cut")
+    assert clash.returncode == 2 and "Traceback" not in clash.stdout
+    assert re.search(r"error: --normuon 1: checkpoint \S+ this run resumes trained with --normuon 0", clash.stdout)
+    if record == "earlier_version":  # as bbbd5ff wrote them
+        for path in (tmp_path / "cut" / "ckpt").glob("*.json"):
+            saved = json.loads(path.read_text())
+            earlier = {k: saved[k] for k in ("global_step", "tokens_seen", "world_size", "files")}
+            earlier.update({k: saved["config"]["optim"][k] for k in ("optimizer", "lr_schedule", "normuon", "muon_lr")})
+            path.write_text(json.dumps(earlier))
+        again += others
+    resumed = run_trainer(again, tmp_path / "cut")
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    for line in ("lr_schedule: cosine (the checkpoint's)", "normuon: 0 (the checkpoint's)",
+                 "muon_lr: 0.02 (the checkpoint's)"):
+        assert line in resumed.stdout
+    whole_model, cut_model = (latest_checkpoint(tmp_path / name)["model"] for name in ("whole", "cut"))
+    assert latest_checkpoint(tmp_path / "cut")["global_step"] == 6
+    for key, value in whole_model.items():
+        assert torch.equal(value, cut_model[key]), key
