@@ -1,11 +1,18 @@
-"""The user-error types every layer raises, and the wrapper that turns one into one line.
+"""The user-error types every layer raises, the one line a disk's error becomes, and the
+wrapper that turns either into one line.
 
-A UserError's text is one line that names the culprit (a flag, a file and line) and
-says what to do. dataset/ raises DataError, model/ WeightsError; a script's main()
-reports any of them the same way.
+A UserError's text is one line that names the culprit (a flag, a file and line, a disk) and
+says what to do. dataset/ raises DataError, model/ WeightsError, a write the disk refused
+StorageError (common/storage.py); a script's main() reports any of them the same way, and an
+OSError nobody caught as one line too.
 """
+import errno
 import functools
+import os
+import re
+import shutil
 import sys
+from pathlib import Path
 
 
 class UserError(Exception):
@@ -20,9 +27,73 @@ class WeightsError(UserError, ValueError):
     """Bad weights, an exported folder or flags that do not fit them."""
 
 
+class StorageError(UserError):
+    """A write (or read) the disk refused: what, where, why, the free space, and what to do."""
+
+
+def free_bytes(path) -> int | None:
+    """Free bytes on the filesystem holding `path` (or its nearest existing folder); None if unknown."""
+    path = Path(os.path.abspath(path))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def size_text(n: int | None) -> str:
+    if n is None:
+        return "an unknown amount"
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:,} {unit}" if unit == "bytes" else f"{n:,.1f} {unit}"
+        n /= 1024
+
+
+def os_error_of(exc: BaseException) -> OSError | None:
+    """The disk's error behind `exc`: an OSError itself, the one a write kept for it
+    (`storage_cause`), one a library names in its own words (safetensors: "os error 28"), or
+    torch's zip writer's short write ("unexpected pos"), which keeps no errno."""
+    if isinstance(exc, OSError):
+        return exc
+    if isinstance(getattr(exc, "storage_cause", None), OSError):
+        return exc.storage_cause
+    found = re.search(r"os error (\d+)|code: (\d+)", str(exc))
+    if found:
+        code = int(found[1] or found[2])
+        return OSError(code, os.strerror(code))
+    if "unexpected pos" in str(exc):
+        return OSError(f"a short write ({str(exc).strip()[:80]})")
+    return None
+
+
+def storage_error(exc: OSError, what: str, path, needed: int | None = None, advice: str = "") -> StorageError:
+    """The one line for `exc`, raised while writing `what` to `path` (`needed`: its size, where
+    known). A short write without an errno (numpy's tofile) on a disk left with almost nothing
+    is a full disk."""
+    free = free_bytes(path)
+    code = exc.errno
+    if code is None and free is not None and free < max(needed or 0, 1 << 20):
+        code = errno.ENOSPC
+    meaning = os.strerror(code).lower() if code else str(exc)
+    space = f"{size_text(free)} free there" + (f", {size_text(needed)} needed" if needed else "")
+    if not advice:
+        full = code in (errno.ENOSPC, errno.EDQUOT)
+        advice = "free space on that disk or write elsewhere" if full else "check that disk and its mount"
+    return StorageError(f"cannot write {what} {path}: {meaning} ({space}); {advice}")
+
+
+def os_error_line(exc: OSError) -> str:
+    """An OSError no one caught where it happened, as one line naming its file and the disk's free space."""
+    where = exc.filename or "a file"
+    return f"{where}: {(exc.strerror or str(exc)).lower()} ({size_text(free_bytes(where))} free on its disk); " \
+           f"check that path and its disk"
+
+
 def report_user_errors(main):
-    """Decorate a script's main(): a UserError becomes `error: <its line>` on stderr and exit code 2,
-    instead of a traceback."""
+    """Decorate a script's main(): a UserError, or an OSError nobody caught, becomes `error: <one
+    line>` on stderr and exit code 2, instead of a traceback."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
@@ -30,6 +101,9 @@ def report_user_errors(main):
             return main(*args, **kwargs)
         except UserError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
+            sys.exit(2)
+        except OSError as e:
+            print(f"error: {os_error_line(e)}", file=sys.stderr, flush=True)
             sys.exit(2)
 
     return wrapper

@@ -8,52 +8,13 @@ removes its temp file and raises StorageError, whose text is one line naming wha
 written and where, what the error means, the free space there against what the write
 needed, and what to do.
 """
-import errno
 import hashlib
 import os
 import shutil
-from pathlib import Path
 
 import torch
 
-from common.errors import UserError
-
-
-class StorageError(UserError):
-    """A write (or read) the disk refused: one line, like every UserError."""
-
-
-def free_bytes(path) -> int | None:
-    """Free bytes on the filesystem holding `path` (or its nearest existing folder); None if unknown."""
-    path = Path(os.path.abspath(path))
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    try:
-        return shutil.disk_usage(path).free
-    except OSError:
-        return None
-
-
-def size_text(n: int | None) -> str:
-    if n is None:
-        return "an unknown amount"
-    for unit in ("bytes", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:,} {unit}" if unit == "bytes" else f"{n:,.1f} {unit}"
-        n /= 1024
-
-
-def storage_error(exc: OSError, what: str, path, needed: int | None = None, advice: str = "") -> StorageError:
-    """The one line for `exc`, raised while writing `what` to `path` (`needed`: its size, where known)."""
-    meaning = os.strerror(exc.errno).lower() if exc.errno else str(exc)
-    space = f"{size_text(free_bytes(path))} free there"
-    if needed:
-        space += f", {size_text(needed)} needed"
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        advice = advice or "free space on that disk or write elsewhere"
-    else:
-        advice = advice or "check that disk and its mount, or write elsewhere"
-    return StorageError(f"cannot write {what} {path}: {meaning} ({space}); {advice}")
+from common.errors import os_error_of, storage_error
 
 
 def remove_quietly(path):
@@ -67,14 +28,20 @@ def remove_quietly(path):
         pass
 
 
-def tensor_bytes(obj) -> int:
-    """Bytes of every tensor in nested dicts, lists and tuples: what a torch.save of `obj` needs, about."""
+def tensor_bytes(obj, seen=None) -> int:
+    """Bytes of every tensor in nested dicts, lists and tuples, each storage once (a tied weight is
+    saved once): what a torch.save of `obj` needs, about."""
+    seen = set() if seen is None else seen
     if torch.is_tensor(obj):
-        return obj.nbytes
+        key = (obj.untyped_storage().data_ptr(), obj.device)
+        if key in seen or not obj.numel():
+            return 0
+        seen.add(key)
+        return obj.untyped_storage().nbytes()
     if isinstance(obj, dict):
-        return sum(tensor_bytes(v) for v in obj.values())
+        return sum(tensor_bytes(v, seen) for v in obj.values())
     if isinstance(obj, (list, tuple)):
-        return sum(tensor_bytes(v) for v in obj)
+        return sum(tensor_bytes(v, seen) for v in obj)
     return 0
 
 
@@ -119,8 +86,8 @@ def atomic_write(path, write, what: str, mode: str = "wb", shared: bool = False,
         return result
     except (OSError, RuntimeError) as exc:
         remove_quietly(tmp)
-        cause = getattr(exc, "storage_cause", None) or exc
-        if not isinstance(cause, OSError):
+        cause = os_error_of(exc)
+        if cause is None:
             raise
         raise storage_error(cause, what, path, needed, advice) from None
 

@@ -43,7 +43,7 @@ class StreamWriter:
             self.file = open(self.tmp, "wb")
 
     def write(self, tokens, doc_lens):
-        tokens.tofile(self.file)
+        self.file.write(memoryview(np.ascontiguousarray(tokens)))  # not tofile: a full disk then names its errno
         self.num_tokens += len(tokens)
         self.num_docs += len(doc_lens)
         self.max_token_id = max(self.max_token_id, int(tokens.max()) if len(tokens) else -1)
@@ -90,7 +90,7 @@ class SFTWriter(StreamWriter):
             self.trained_tokens += sum(encoded.trained)
         tokens = np.fromiter((i for e in conversations for i in e.ids), dtype=dtype, count=first - self.num_tokens)
         table = np.concatenate(rows) if rows else np.empty((0, 4), dtype=np.int64)
-        table.tofile(self.blocks_file)
+        self.blocks_file.write(memoryview(table))
         self.num_blocks += len(table)
         self.write(tokens, [len(e.ids) for e in conversations])
 
@@ -170,7 +170,7 @@ class ShardDirectory:
                 ends = np.cumsum(doc_lens)
                 take_docs = min(take_docs, int(np.searchsorted(ends, self.shard_tokens - part["num_tokens"])) + 1)
             take = int(doc_lens[:take_docs].sum())
-            tokens[:take].tofile(self.file)
+            self.file.write(memoryview(np.ascontiguousarray(tokens[:take])))
             if take:
                 largest = self.max_token_ids.get(part["path"], -1)
                 self.max_token_ids[part["path"]] = max(largest, int(tokens[:take].max()))

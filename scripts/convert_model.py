@@ -19,8 +19,10 @@ top-k, optional renormalisation, no shared expert), so MoE exports natively too.
 logits compared with ours.
 """
 import math
+import os
 import shutil
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
@@ -32,8 +34,8 @@ from safetensors.torch import save, save_file
 from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers.utils import logging as hf_logging
 
-from common.storage import atomic_torch_save, atomic_write_bytes, atomic_write_text
-from common.errors import UserError, WeightsError, report_user_errors
+from common.errors import UserError, WeightsError, os_error_of, report_user_errors, storage_error
+from common.storage import atomic_torch_save, atomic_write_bytes, atomic_write_text, remove_quietly
 from model.model_minimind import MiniMindForCausalLM, register_auto_classes
 from model.hf_format import hf_to_state_dict, qwen3_config_from_minimind
 from model.shape_flags import SHAPE_FLAGS, config_flags, flag_default, format_flags
@@ -131,6 +133,31 @@ def verify_export(model, out_dir, dtype=torch.float32, atol=1e-4, trust_remote_c
     return Verified(type(loaded).__name__, diff)
 
 
+@contextmanager
+def export_folder(out_dir, needed: int):
+    """A folder beside `out_dir` to write and verify the export in; its files move into out_dir
+    (os.replace, file by file) only once all are there, so out_dir never holds half an export.
+    A write the disk refuses removes the folder and becomes one line (safetensors and transformers
+    report a full disk in their own words: common/errors.py's os_error_of finds it)."""
+    out_dir = Path(out_dir)
+    staging = out_dir.with_name(f"{out_dir.name}.export.tmp")
+    remove_quietly(staging)
+    try:
+        staging.mkdir(parents=True)
+        yield staging
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for file in sorted(staging.iterdir()):
+            os.replace(file, out_dir / file.name)
+        staging.rmdir()
+    except Exception as exc:
+        remove_quietly(staging)
+        cause = None if isinstance(exc, (UserError, ExportError)) else os_error_of(exc)
+        if cause is None:
+            raise
+        raise storage_error(cause, "the Hugging Face export", out_dir, needed,
+                            "free space there or pass another --out_dir") from None
+
+
 def save_pth(state, out_path):
     """Our .pth weight format: half-precision state_dict with our names, lm_head.weight included,
     written atomically. An out_path ending in .safetensors gets the same tensors as a safetensors file."""
@@ -190,7 +217,9 @@ def export(args):
     model, source = load_model(weight_path, **flags)
     tokenizer_path = None if args.tokenizer_path.lower() == "none" else args.tokenizer_path
     exporter = export_native if args.format == "native" else export_minimind
-    verified = exporter(model, args.out_dir, tokenizer_path, DTYPES[args.dtype], args.atol)
+    needed = sum(p.numel() for p in model.parameters()) * DTYPES[args.dtype].itemsize
+    with export_folder(args.out_dir, needed) as folder:
+        verified = exporter(model, folder, tokenizer_path, DTYPES[args.dtype], args.atol)
     if args.format == "native":
         kind = "transformers Qwen3-MoE" if model.config.use_moe else "transformers Qwen3"
         remote = ""

@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO_ROOT))
 import numpy as np
 from tqdm import tqdm
 
-from common.errors import DataError, report_user_errors
+from common.errors import DataError, report_user_errors, storage_error
 from dataset.chat import encode_many, parse_conversation, render
 from dataset.lm_dataset import iter_raw_lines, load_tokenizer
 from dataset.packed_dataset import DTYPES, dtype_for_vocab
@@ -113,6 +113,10 @@ def check_input(path, text_column):
         next(iter_raw_lines(path))
 
 
+AFTER_A_FAILED_WRITE = ("free space there or pass another --out_path, then run it again (a directory of shards "
+                        "keeps the files it finished)")
+
+
 def prepare(data_path, out_path, tokenizer_path=None, num_proc=None, skip_bad_lines=False,
             chunk_lines=1000, text_column="text", shard_tokens=0, num_shards=1, shard_index=0):
     """Tokenize data_path into out_path (a .bin, or a shard directory). Returns a dict of
@@ -148,6 +152,9 @@ def prepare(data_path, out_path, tokenizer_path=None, num_proc=None, skip_bad_li
         counts = write_all(out, todo, chunk_lines, num_proc, skip_bad_lines,
                            (tokenizer_path, common["dtype"], text_column))
         out.close()
+    except OSError as exc:  # a full or failing disk: the temp file goes, and one line says so
+        out.abort()
+        raise storage_error(exc, "the packed tokens", out_path, advice=AFTER_A_FAILED_WRITE) from None
     except BaseException:
         out.abort()  # a temp file, never a half-written output (a SIGKILL leaves it to the next run)
         raise
@@ -181,6 +188,9 @@ def prepare_sft(data_path, out_path, tokenizer_path=None, num_proc=None, chunk_l
                                         (tokenizer_path, common["dtype"], "text"), work=encode_conversations):
             out.write_conversations(conversations)
         out.close()
+    except OSError as exc:
+        out.abort()
+        raise storage_error(exc, "the packed conversations", out_path, advice=AFTER_A_FAILED_WRITE) from None
     except BaseException:
         out.abort()
         raise

@@ -16,21 +16,23 @@ rank (tests/forked_ranks.py) and an in-process run (tests/jobs.py) by calling it
 fires only in the first attempt of a torchrun group (TORCHELASTIC_RESTART_COUNT 0 or
 unset), so a restarted group runs clean.
 """
+import errno
 import math
 import os
+import shutil
 import signal
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 INJECT_DIR = Path(__file__).resolve().parent / "inject"
 REPO_ROOT = Path(__file__).resolve().parents[1]
-VARIABLES = ("MINIMIND_FAULT_AT_STEP", "MINIMIND_FAULT_RANK", "MINIMIND_FAULT_KIND")
 
 
 def fault_env(kind: str, at: int, rank: int = 0) -> dict:
     """The environment that makes rank `rank` misbehave (`kind`) at step `at`."""
-    return {"PYTHONPATH": f"{INJECT_DIR}{os.pathsep}{REPO_ROOT}", "MINIMIND_FAULT_AT_STEP": str(at),
-            "MINIMIND_FAULT_RANK": str(rank), "MINIMIND_FAULT_KIND": kind}
+    return {**fault_env_base(), "MINIMIND_FAULT_AT_STEP": str(at), "MINIMIND_FAULT_RANK": str(rank),
+            "MINIMIND_FAULT_KIND": kind}
 
 
 @dataclass
@@ -88,7 +90,136 @@ def install(plan: FaultPlan):
 
 
 def install_from_env(environ=os.environ):
-    """install() the plan the environment holds, if it holds one; returns the undo (or None)."""
-    if environ.get("MINIMIND_FAULT_AT_STEP") is None:
+    """install() the plan the environment holds, and the quota of a SmallDisk, where it holds
+    them; returns the undo (or None)."""
+    undos = []
+    if environ.get("MINIMIND_FAULT_AT_STEP") is not None:
+        undos.append(install(FaultPlan.from_env(environ)))
+    if environ.get(QUOTA_VARIABLE):
+        folder, _, size = environ[QUOTA_VARIABLE].rpartition("=")
+        undos.append(install_quota(folder, int(size)))
+    if not undos:
         return None
-    return install(FaultPlan.from_env(environ))
+    return lambda: [undo() for undo in reversed(undos)]
+
+
+# ---------------------------------------------------------------------------- a disk that fills
+QUOTA_VARIABLE = "MINIMIND_TEST_QUOTA"  # "FOLDER=BYTES": writes under FOLDER past BYTES fail with ENOSPC
+
+
+class SmallDisk:
+    """A folder on a filesystem that fills: a tmpfs of `size` bytes where this process may mount
+    one (root, as CI runs), else a plain folder whose writes the quota below refuses past `size`
+    bytes (set MINIMIND_TEST_SMALL_DISK=quota to take that one anyway). `env` goes to the runs
+    that write there; fill() leaves `leave` bytes free with a ballast file, empty() removes it."""
+
+    def __init__(self, path: Path, size: int):
+        self.path, self.size = Path(path), size
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.kind, self.env = "quota", {}
+        if os.environ.get("MINIMIND_TEST_SMALL_DISK") != "quota" and self._mount():
+            self.kind = "tmpfs"
+        else:
+            self.env = {**fault_env_base(), QUOTA_VARIABLE: f"{self.path}={size}"}
+        self.ballast = self.path / "ballast"
+
+    def _mount(self) -> bool:
+        import subprocess
+
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.size}", "tmpfs", str(self.path)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return done.returncode == 0
+
+    def free(self) -> int:
+        if self.kind == "tmpfs":
+            return shutil.disk_usage(self.path).free
+        return self.size - used_bytes(self.path)
+
+    def fill(self, leave: int):
+        """Ballast, so that about `leave` bytes stay free (tmpfs counts whole pages)."""
+        with open(self.ballast, "ab") as f:
+            f.write(b"\0" * max(0, self.free() - leave))
+
+    def empty(self):
+        self.ballast.unlink(missing_ok=True)
+
+    @contextmanager
+    def installed(self):
+        """The quota in this process too, for writes a test makes itself (a tmpfs needs nothing)."""
+        undo = install_from_env(self.env) if self.env else None
+        try:
+            yield self
+        finally:
+            if undo:
+                undo()
+
+    def close(self):
+        import subprocess
+
+        if self.kind == "tmpfs":
+            subprocess.run(["umount", "-l", str(self.path)], check=False)
+
+
+def fault_env_base() -> dict:
+    """What makes a launched process load tests/inject/sitecustomize.py."""
+    return {"PYTHONPATH": f"{INJECT_DIR}{os.pathsep}{REPO_ROOT}"}
+
+
+def used_bytes(folder: Path) -> int:
+    return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(folder) for name in names
+               if os.path.isfile(os.path.join(root, name)))
+
+
+class QuotaFile:
+    """A file under a quota'd folder: a write that would take the folder past its quota raises
+    ENOSPC, as a full disk does; the rest is the real file's."""
+
+    def __init__(self, file, folder: Path, size: int):
+        self._file, self._folder, self._size = file, folder, size
+
+    def write(self, data):
+        self._file.flush()
+        size = len(data.encode()) if isinstance(data, str) else memoryview(data).nbytes
+        if used_bytes(self._folder) + size > self._size:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self._file.name)
+        return self._file.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self._file, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return self._file.__exit__(*exc)
+
+    def __iter__(self):
+        return iter(self._file)
+
+
+def install_quota(folder: str, size: int):
+    """Writes under `folder` refused past `size` bytes, and the disk's free space reported as what
+    is left of them. Returns the undo."""
+    import builtins
+    import io
+
+    folder, real_open, real_usage = Path(folder).resolve(), io.open, shutil.disk_usage
+
+    def quota_open(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        inside = isinstance(file, (str, os.PathLike)) and Path(file).resolve().is_relative_to(folder)
+        return QuotaFile(f, folder, size) if inside and set(mode) & set("wax+") else f
+
+    def quota_usage(path):
+        if Path(path).resolve().is_relative_to(folder):
+            used = used_bytes(folder)
+            return shutil._ntuple_diskusage(size, used, max(0, size - used))
+        return real_usage(path)
+
+    builtins.open = io.open = quota_open
+    shutil.disk_usage = quota_usage
+
+    def undo():
+        builtins.open = io.open = real_open
+        shutil.disk_usage = real_usage
+    return undo

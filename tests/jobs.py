@@ -256,7 +256,7 @@ def run_env(run_dir, extra=None) -> dict:
     # The launched runs are CPU runs: with a GPU visible, a 2-process job would put rank 1
     # on cuda:1 (absent on a 1-GPU machine), and scripts without --device would use cuda:0.
     env["CUDA_VISIBLE_DEVICES"] = ""
-    for key in [k for k in env if k.startswith("MINIMIND_FAULT")]:
+    for key in [k for k in env if k.startswith(("MINIMIND_FAULT", "MINIMIND_TEST_QUOTA"))]:
         del env[key]
     env.update(extra or {})
     return env

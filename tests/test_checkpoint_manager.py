@@ -305,3 +305,33 @@ def test_rank_0s_refusal_stops_every_rank_with_its_message(tmp_path):
     messages = [str(result) for _, result in done]
     assert all(isinstance(result, UserError) for _, result in done)
     assert messages[0] == messages[1] and "hidden_size=64, but the flags give hidden_size=128" in messages[0]
+
+
+def test_a_save_the_disk_refuses_stops_every_rank_alike_and_rotates_nothing_away(tmp_path):
+    """keep_last 1: the save at step 4 does not fit, so step 2's checkpoint, the only good one,
+    must stay; every rank raises rank 0's one line (rank 1's folder is another node's disk), and
+    nothing of step 4 is left."""
+    from common.errors import StorageError
+    from tests.fault_injection import SmallDisk
+
+    disk = SmallDisk(tmp_path / "disk", 1 << 20)
+    try:
+        with disk.installed():
+            folders = [disk.path, tmp_path / "node1"]
+            state = lambda step: TrainState(plan(2), step, 100 * step)  # noqa: E731
+            first = ThreadJob(2).run(lambda rank: manager(folders[rank.rank], rank, state=state(2),
+                                                          keep_last=1).save(2))
+            assert not any(isinstance(result, BaseException) for _, result in first)
+            disk.fill(leave=1000)
+            (rank0, result0), (rank1, result1) = ThreadJob(2).run(
+                lambda rank: manager(folders[rank.rank], rank, state=state(4), keep_last=1).save(4))
+        assert isinstance(result0, StorageError) and str(result0) == str(result1)
+        assert str(result0).startswith(f"cannot write the checkpoint {disk.path}/{PREFIX}_resume_step0000004.pth: "
+                                       f"no space left on device")
+        assert rank0.calls == rank1.calls
+        assert sorted(p.name for p in disk.path.iterdir()) == sorted([
+            "ballast", latest_link_name(PREFIX), f"{PREFIX}_resume_step0000002.pth",
+            f"{PREFIX}_resume_step0000002.pth.json"])
+        assert not folders[1].exists()
+    finally:
+        disk.close()

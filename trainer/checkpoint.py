@@ -40,10 +40,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from common.errors import UserError
-from common.storage import (
-    StorageError, atomic_torch_save, atomic_write_text, free_bytes, remove_quietly, size_text, storage_error,
-)
+from common.errors import StorageError, UserError, free_bytes, os_error_of, size_text, storage_error
+from common.storage import atomic_torch_save, atomic_write_text, remove_quietly
 from trainer.distributed import TORCH_COLLECTIVES, Logger
 from trainer.train_state import ModelState, TrainState, write_weights
 
@@ -110,10 +108,12 @@ class CheckpointManager:
         except CheckpointException as exc:
             if self.collectives.rank == 0:
                 remove_quietly(f"{path}.tmp")
-            cause = next((e for e, _ in exc.failures.values() if isinstance(e, OSError)), None)
+            causes = [os_error_of(e) for e, _ in exc.failures.values()]
+            cause = next((c for c in causes if c is not None and c.errno), None) or next(filter(None, causes), None)
             if cause is None:
                 raise
-            return str(storage_error(cause, "the checkpoint's shards", f"{path}.tmp", advice=AFTER_A_FAILED_SAVE))
+            needed = getattr(self.model, "estimated_bytes", lambda: None)()
+            return str(storage_error(cause, "the checkpoint's shards", f"{path}.tmp", needed, AFTER_A_FAILED_SAVE))
 
     def _write(self, path: str, state: dict, weights_state: dict | None, weights: dict | None) -> str | None:
         """Rank 0: the checkpoint (a .pth, or the rest of a .dcp folder), the inference weights,

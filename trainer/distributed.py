@@ -4,6 +4,7 @@ is spread over the ranks (DDP: a full replica each; FSDP2: parameters, gradients
 state sharded), and exiting every rank promptly on a user error or a lost peer."""
 import gc
 import inspect
+import json
 import os
 import re
 import socket
@@ -220,6 +221,18 @@ def Logger(*content, **kwargs):
         print(*content, **kwargs, flush=True)
 
 
+def tell_torchrun(line: str):
+    """Under torchrun, the line its failure report shows for this rank (TORCHELASTIC_ERROR_FILE, in
+    the form its ErrorHandler writes): the rank that fails first is the root cause it names."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        try:
+            with open(path, "w") as f:
+                json.dump({"message": line, "timestamp": int(time.time())}, f)
+        except OSError:
+            pass  # the line is on stderr already
+
+
 def fail(message: str, code: int = 2, this_rank_only: bool = False):
     """Report a problem in one line and exit non-zero.
 
@@ -233,6 +246,7 @@ def fail(message: str, code: int = 2, this_rank_only: bool = False):
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
     if rank == 0 or os.environ.get("LOCAL_RANK") == "0" or this_rank_only:
         print(f"error: {message}", file=sys.stderr, flush=True)
+        tell_torchrun(f"error: {message}")
     else:
         time.sleep(1.0)
     cleanup_distributed(clean=False)

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from common.errors import UserError
+from common.errors import UserError, os_error_line
 from dataset.lm_dataset import load_tokenizer
 from dataset.token_bytes import token_byte_lengths
 from model.model_minimind import count_parameters
@@ -339,6 +339,8 @@ def run(stage: Stage, argv=None):
         fail(str(exc))
     except LoaderStalled as exc:
         fail(str(exc), code=1, this_rank_only=True)
+    except OSError as exc:  # a file or disk the run could not use, where no write caught it: one line too
+        fail(os_error_line(exc), this_rank_only=True)
     except BaseException as exc:
         if env.distributed and peer_lost(exc):
             exit_peer_lost(exc, bool(cfg.output.from_resume))

@@ -24,7 +24,8 @@ from contextlib import contextmanager
 import torch
 from tqdm import tqdm
 
-from common.storage import StorageError, append_text, atomic_write_text
+from common.errors import StorageError
+from common.storage import append_text, atomic_write_text
 from model.model_minimind import MiniMindForCausalLM, count_parameters
 from trainer.distributed import Logger, peer_lost
 from trainer.optim import is_block_matrix, newton_schulz_flops
