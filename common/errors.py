@@ -68,20 +68,22 @@ def os_error_of(exc: BaseException) -> OSError | None:
     return None
 
 
-def storage_error(exc: OSError, what: str, path, needed: int | None = None, advice: str = "") -> StorageError:
-    """The one line for `exc`, raised while writing `what` to `path` (`needed`: its size, where
-    known). A short write without an errno (numpy's tofile) on a disk left with almost nothing
-    is a full disk."""
+def storage_error(exc: OSError, what: str, path, needed: int | None = None, elsewhere: str = "write elsewhere",
+                  then: str = "") -> StorageError:
+    """The one line for `exc`, raised while writing `what` to `path`: what it means, for a full
+    disk the free space against what the write needed (`needed`, where known), and what to do
+    (free space, or `elsewhere`; `then`: what comes after). A short write without an errno
+    (torch's zip writer) on a disk left with less than it needed is a full disk."""
     free = free_bytes(path)
     code = exc.errno
     if code is None and free is not None and free < max(needed or 0, 1 << 20):
         code = errno.ENOSPC
     meaning = os.strerror(code).lower() if code else str(exc)
+    if code in (errno.ENOENT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR):
+        return StorageError(f"cannot write {what} {path}: {meaning}; {elsewhere}: a folder you can write to")
     space = f"{size_text(free)} free there" + (f", {size_text(needed)} needed" if needed else "")
-    if not advice:
-        full = code in (errno.ENOSPC, errno.EDQUOT)
-        advice = "free space on that disk or write elsewhere" if full else "check that disk and its mount"
-    return StorageError(f"cannot write {what} {path}: {meaning} ({space}); {advice}")
+    todo = "free space there or" if code in (errno.ENOSPC, errno.EDQUOT) else "check that disk and its mount, or"
+    return StorageError(f"cannot write {what} {path}: {meaning} ({space}); {todo} {elsewhere}{then}")
 
 
 def os_error_line(exc: OSError) -> str:

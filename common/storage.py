@@ -71,7 +71,7 @@ class _HashingFile:
 
 
 def atomic_write(path, write, what: str, mode: str = "wb", shared: bool = False, needed: int | None = None,
-                 advice: str = ""):
+                 elsewhere: str = "write elsewhere", then: str = ""):
     """Call write(f) on a temp file beside `path`, fsync it, then rename it over `path`; returns
     what write returned. On failure the temp file is gone and StorageError says so in one line.
     `shared`: processes on several machines may write `path` at once, so each writes a temp
@@ -89,10 +89,10 @@ def atomic_write(path, write, what: str, mode: str = "wb", shared: bool = False,
         cause = os_error_of(exc)
         if cause is None:
             raise
-        raise storage_error(cause, what, path, needed, advice) from None
+        raise storage_error(cause, what, path, needed, elsewhere, then) from None
 
 
-def atomic_torch_save(obj, path, what: str = "the file", advice: str = "") -> dict:
+def atomic_torch_save(obj, path, what: str = "the file", elsewhere: str = "write elsewhere", then: str = "") -> dict:
     """torch.save `obj` to `path` atomically. Returns the file's {size, sha256}, hashed as written."""
 
     def write(f):
@@ -104,16 +104,17 @@ def atomic_torch_save(obj, path, what: str = "the file", advice: str = "") -> di
             raise
         return hashing.record()
 
-    return atomic_write(path, write, what, needed=tensor_bytes(obj), advice=advice)
+    return atomic_write(path, write, what, needed=tensor_bytes(obj), elsewhere=elsewhere, then=then)
 
 
-def atomic_write_bytes(path, data: bytes, what: str = "the file", advice: str = ""):
-    atomic_write(path, lambda f: f.write(data), what, needed=len(data), advice=advice)
+def atomic_write_bytes(path, data: bytes, what: str = "the file", elsewhere: str = "write elsewhere"):
+    atomic_write(path, lambda f: f.write(data), what, needed=len(data), elsewhere=elsewhere)
 
 
-def atomic_write_text(path, text: str, what: str = "the file", shared: bool = False, advice: str = ""):
-    atomic_write(path, lambda f: f.write(text), what, mode="w", shared=shared, needed=len(text.encode()),
-                 advice=advice)
+def atomic_write_text(path, text: str, what: str = "the file", shared: bool = False,
+                      elsewhere: str = "write elsewhere", then: str = ""):
+    atomic_write(path, lambda f: f.write(text), what, mode="w", shared=shared, needed=len(text.encode()), elsewhere=elsewhere,
+                 then=then)
 
 
 def append_text(path, text: str, what: str = "the file"):

@@ -154,8 +154,7 @@ def export_folder(out_dir, needed: int):
         cause = None if isinstance(exc, (UserError, ExportError)) else os_error_of(exc)
         if cause is None:
             raise
-        raise storage_error(cause, "the Hugging Face export", out_dir, needed,
-                            "free space there or pass another --out_dir") from None
+        raise storage_error(cause, "the Hugging Face export", out_dir, needed, "pass another --out_dir") from None
 
 
 def save_pth(state, out_path):

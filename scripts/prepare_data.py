@@ -113,8 +113,9 @@ def check_input(path, text_column):
         next(iter_raw_lines(path))
 
 
-AFTER_A_FAILED_WRITE = ("free space there or pass another --out_path, then run it again (a directory of shards "
-                        "keeps the files it finished)")
+# What its line says to do, besides freeing space.
+AFTER_A_FAILED_WRITE = dict(elsewhere="pass another --out_path",
+                            then=", then run it again (a directory of shards keeps the files it finished)")
 
 
 def prepare(data_path, out_path, tokenizer_path=None, num_proc=None, skip_bad_lines=False,
@@ -154,7 +155,7 @@ def prepare(data_path, out_path, tokenizer_path=None, num_proc=None, skip_bad_li
         out.close()
     except OSError as exc:  # a full or failing disk: the temp file goes, and one line says so
         out.abort()
-        raise storage_error(exc, "the packed tokens", out_path, advice=AFTER_A_FAILED_WRITE) from None
+        raise storage_error(exc, "the packed tokens", out_path, **AFTER_A_FAILED_WRITE) from None
     except BaseException:
         out.abort()  # a temp file, never a half-written output (a SIGKILL leaves it to the next run)
         raise
@@ -190,7 +191,7 @@ def prepare_sft(data_path, out_path, tokenizer_path=None, num_proc=None, chunk_l
         out.close()
     except OSError as exc:
         out.abort()
-        raise storage_error(exc, "the packed conversations", out_path, advice=AFTER_A_FAILED_WRITE) from None
+        raise storage_error(exc, "the packed conversations", out_path, **AFTER_A_FAILED_WRITE) from None
     except BaseException:
         out.abort()
         raise

@@ -50,8 +50,9 @@ TRAINER_STATE = "trainer_state.pt"
 # Architecture fields a resumed run must agree on.
 CONFIG_KEYS = ("hidden_size", "num_hidden_layers", "use_moe", "vocab_size",
                "num_attention_heads", "num_key_value_heads", "intermediate_size")
-AFTER_A_FAILED_SAVE = ("free space there (or lower --keep_last, or pass another --checkpoint_dir), then relaunch "
-                       "with --from_resume 1: the checkpoints before this one are intact")
+# What a failed save's line says to do, besides freeing space.
+AFTER_A_FAILED_SAVE = dict(elsewhere="lower --keep_last or pass another --checkpoint_dir",
+                           then=", then relaunch with --from_resume 1: the checkpoints before this one are intact")
 
 
 class CheckpointManager:
@@ -113,7 +114,7 @@ class CheckpointManager:
             if cause is None:
                 raise
             needed = getattr(self.model, "estimated_bytes", lambda: None)()
-            return str(storage_error(cause, "the checkpoint's shards", f"{path}.tmp", needed, AFTER_A_FAILED_SAVE))
+            return str(storage_error(cause, "the checkpoint's shards", f"{path}.tmp", needed, **AFTER_A_FAILED_SAVE))
 
     def _write(self, path: str, state: dict, weights_state: dict | None, weights: dict | None) -> str | None:
         """Rank 0: the checkpoint (a .pth, or the rest of a .dcp folder), the inference weights,
@@ -123,18 +124,19 @@ class CheckpointManager:
             os.makedirs(self.folder, exist_ok=True)
             if weights_state is None:  # a .dcp folder: its shards are in place
                 atomic_torch_save(state, os.path.join(f"{path}.tmp", TRAINER_STATE), "the checkpoint",
-                                  AFTER_A_FAILED_SAVE)
+                                  **AFTER_A_FAILED_SAVE)
                 remove_quietly(path)
                 os.replace(f"{path}.tmp", path)
                 files = _file_records(path)  # every rank wrote shards through DCP's own writer
             else:
-                written = atomic_torch_save(dict(state, **weights_state), path, "the checkpoint", AFTER_A_FAILED_SAVE)
+                written = atomic_torch_save(dict(state, **weights_state), path, "the checkpoint",
+                                            **AFTER_A_FAILED_SAVE)
                 files = {os.path.basename(path): written}
             if weights is not None:
                 write_weights(weights, self.model.model.config, self.weights_path)
             record = {k: state[k] for k in TrainState.record_keys}
             atomic_write_text(f"{path}.json", json.dumps({**record, "config": self.config, "files": files}),
-                              "the checkpoint's record", advice=AFTER_A_FAILED_SAVE)
+                              "the checkpoint's record", **AFTER_A_FAILED_SAVE)
             _point_latest(self.folder, self.prefix, path)
         except (StorageError, OSError) as exc:
             remove_quietly(f"{path}.json")
@@ -142,7 +144,7 @@ class CheckpointManager:
             remove_quietly(f"{path}.tmp")
             if isinstance(exc, StorageError):
                 return str(exc)
-            return str(storage_error(exc, "the checkpoint", path, advice=AFTER_A_FAILED_SAVE))
+            return str(storage_error(exc, "the checkpoint", path, **AFTER_A_FAILED_SAVE))
         for old in list_checkpoints(self.folder, self.prefix)[max(1, self.keep_last):]:
             remove_quietly(f"{old}.json")  # unrecord first: a kill in between leaves an ignored leftover
             remove_quietly(old)
@@ -317,7 +319,7 @@ def _point_latest(checkpoint_dir, prefix, target):
         os.replace(f"{link}.tmp", link)
     except OSError as exc:
         remove_quietly(f"{link}.tmp")
-        raise storage_error(exc, "the link", link, advice=AFTER_A_FAILED_SAVE) from None
+        raise storage_error(exc, "the link", link, **AFTER_A_FAILED_SAVE) from None
 
 
 def _file_records(path) -> dict:

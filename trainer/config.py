@@ -293,7 +293,7 @@ def build_parser(stage=None) -> argparse.ArgumentParser:
         if f.type is bool:
             arguments.add_argument(*names, action="store_true", help=help_text)
             continue
-        if help_text != argparse.SUPPRESS:
+        if help_text != argparse.SUPPRESS and default is not None:
             help_text += f" (default: {shown(default)})"
         arguments.add_argument(*names, dest=f.name, help=help_text, choices=meta["choices"],
                                type=meta["type"] or type(default))
@@ -397,7 +397,7 @@ def fresh_recipe(hidden_size: int) -> dict:
     return {"lr_schedule": "wsd", "normuon": 1, "muon_lr": round(muon_lr, 6)}
 
 
-def resolve_auto(cfg: TrainConfig, origin: dict, device, sharded: bool, model_config,
+def resolve_auto(cfg: TrainConfig, origin: dict, device, sharded: bool, lm_config,
                  tokens_per_step: int) -> TrainConfig:
     """The config with every auto flag decided, each logged once with its reason. origin: where
     each flag's value came from (resume_config's; a flag missing there is a default)."""
@@ -407,15 +407,15 @@ def resolve_auto(cfg: TrainConfig, origin: dict, device, sharded: bool, model_co
     values["dtype"], reasons["dtype"] = detect_dtype(cfg.system.dtype, device, sharded)
     optimizer = cfg.optim.optimizer
     if optimizer == "auto":
-        share = muon_flop_share(model_config, tokens_per_step, cfg.model.max_seq_len)
+        share = muon_flop_share(lm_config, tokens_per_step, cfg.model.max_seq_len)
         optimizer, reasons["optimizer"] = detect_optimizer(device, values["dtype"], cfg.optim.param_groups, share)
     values["optimizer"] = optimizer
-    fresh = fresh_recipe(model_config.hidden_size)
+    fresh = fresh_recipe(lm_config.hidden_size)
     for name in ("lr_schedule", "normuon", "muon_lr"):
         values[name] = getattr(cfg.optim, name)
         if values[name] == "auto":
             values[name] = fresh[name]
-            reasons[name] = f"auto: a new run's default at hidden {model_config.hidden_size} (docs/time-to-quality.md)"
+            reasons[name] = f"auto: a new run's default at hidden {lm_config.hidden_size} (docs/time-to-quality.md)"
     if optimizer != "muon" and values["normuon"]:
         values["normuon"], reasons["normuon"] = 0, f"--optimizer {optimizer}: NorMuon is Muon's"
     for name in AUTO_FLAGS:

@@ -59,34 +59,34 @@ class Stage:
 
 
 def train(cfg: TrainConfig, typed: frozenset, env, stage: Stage) -> int:
-    # ------------------------------------------------------------------ 1. output folders, tokenizer, model config
+    # ------------------------------------------------------------------ 1. output folders, tokenizer, model lm_config
     sharded = cfg.system.parallel == "fsdp" and env.distributed
     check_output_dirs(cfg.output.save_dir, cfg.output.checkpoint_dir, sharded)
     tokenizer = load_tokenizer(cfg.model.tokenizer_path)
-    config = model_config(cfg, typed)
-    prefix = run_prefix(cfg.output.save_weight, config.hidden_size, config.use_moe)
+    lm_config = model_config(cfg, typed)
+    prefix = run_prefix(cfg.output.save_weight, lm_config.hidden_size, lm_config.use_moe)
 
-    # ------------------------------------------------------------------ 2. the resumed config, data, what auto becomes
+    # ------------------------------------------------------------------ 2. the resumed lm_config, data, what auto becomes
     origin = dict.fromkeys(typed, "typed")
     if cfg.output.from_resume:  # the same flag on every rank: all of them join newest_record()'s broadcast, or none does
         record = newest_record(cfg.output.checkpoint_dir, prefix)
         cfg, origin = resume_config(cfg, typed, legacy_record(record), f"checkpoint {record.get('path')}")
-        config = model_config(cfg, typed)
-    check_model_fits(cfg, tokenizer, config)
+        lm_config = model_config(cfg, typed)
+    check_model_fits(cfg, tokenizer, lm_config)
     ensure_data(cfg, env.local_rank, stage)
-    data = stage.build_data(cfg, tokenizer, config.vocab_size)
+    data = stage.build_data(cfg, tokenizer, lm_config.vocab_size)
     # A bad task file stops here. A chat model's stage asks the task's questions as chat turns.
     task = encode_task(tokenizer, load_task(cfg.data.eval_task), chat=stage.chat) if cfg.data.eval_task else None
     plan = plan_steps(cfg.optim, cfg.data.data_path, len(data.train), env.world_size)
-    cfg = resolve_auto(cfg, origin, env.device, sharded, config, plan.samples_per_step * cfg.model.max_seq_len)
+    cfg = resolve_auto(cfg, origin, env.device, sharded, lm_config, plan.samples_per_step * cfg.model.max_seq_len)
     configure_cuda(env.device, getattr(torch, cfg.system.dtype))
 
     # ------------------------------------------------------------------ 3. model, parallelism, optimizer
-    parts = build_parts(cfg, env, config, initial_weights(cfg), tokenizer.bos_token_id, data.packed)
+    parts = build_parts(cfg, env, lm_config, initial_weights(cfg), tokenizer.bos_token_id, data.packed)
 
     # ------------------------------------------------------------------ 4. checkpoints, resume
     state, model_state = TrainState(plan), ModelState(parts.model, parts.optimizer)
-    checkpoints = CheckpointManager(cfg.output.checkpoint_dir, prefix, config.to_dict(), model_state,
+    checkpoints = CheckpointManager(cfg.output.checkpoint_dir, prefix, lm_config.to_dict(), model_state,
                                     {"train_state": state, "scaler": ScalerState(parts.scaler), "rng": RNGState()},
                                     cfg.output.keep_last, sharded, weights_path(cfg.output.save_dir, prefix),
                                     config=cfg.record())
@@ -108,7 +108,7 @@ def train(cfg: TrainConfig, typed: frozenset, env, stage: Stage) -> int:
                                cfg.system.dist_timeout, pin)
     val_loader = None if data.val is None else make_val_loader(data.val, cfg.optim.batch_size, cfg.data.eval_batches,
                                                                env.rank, env.world_size, pin)
-    byte_lengths = token_byte_lengths(tokenizer, config.vocab_size).to(env.device)
+    byte_lengths = token_byte_lengths(tokenizer, lm_config.vocab_size).to(env.device)
     clock = TrainClock(env.device)
     log = RunLogger(metrics_path(cfg.output.save_dir, prefix), cfg.output, prefix, state,
                     {**cfg.flags(), "accumulation_steps": plan.accumulation_steps}, is_main_process(), clock, env.device)
@@ -121,7 +121,7 @@ def train(cfg: TrainConfig, typed: frozenset, env, stage: Stage) -> int:
                               cfg.system.profile_steps, cfg.system.memory_snapshot, start_step, plan.total_steps)
     throughput = Throughput(plan.samples_per_step * cfg.model.max_seq_len, clock, start_step, state.tokens_seen)
     peak_flops = device_peak_flops(env.device)
-    flops_token = flops_per_token(config, count_parameters(parts.model)[1], cfg.model.max_seq_len)
+    flops_token = flops_per_token(lm_config, count_parameters(parts.model)[1], cfg.model.max_seq_len)
     Logger(f"world_size={env.world_size} micro_batch={cfg.optim.batch_size} accumulation={plan.accumulation_steps} "
            f"global_batch={plan.samples_per_step} steps/epoch={plan.steps_per_epoch} total_steps={plan.total_steps} "
            f"dtype={cfg.system.dtype} device={env.device} parallel={parallelism(cfg, env)}")
@@ -182,13 +182,14 @@ def train(cfg: TrainConfig, typed: frozenset, env, stage: Stage) -> int:
 
 
 # ---------------------------------------------------------------------------- the pieces train() calls
-def check_model_fits(cfg: TrainConfig, tokenizer, config):
-    if len(tokenizer) > config.vocab_size:
+def check_model_fits(cfg: TrainConfig, tokenizer, lm_config):
+    if len(tokenizer) > lm_config.vocab_size:
         raise UserError(f"--tokenizer_path {cfg.model.tokenizer_path} has {len(tokenizer)} tokens but the model's "
-                        f"--vocab_size is {config.vocab_size}; pass --vocab_size {len(tokenizer)} or a smaller tokenizer")
-    if cfg.model.max_seq_len > config.max_position_embeddings:
+                        f"--vocab_size is {lm_config.vocab_size}; pass --vocab_size {len(tokenizer)} or a smaller "
+                        f"tokenizer")
+    if cfg.model.max_seq_len > lm_config.max_position_embeddings:
         raise UserError(f"--max_seq_len {cfg.model.max_seq_len} exceeds the model's max_position_embeddings "
-                        f"{config.max_position_embeddings}")
+                        f"{lm_config.max_position_embeddings}")
 
 
 def ensure_data(cfg: TrainConfig, local_rank: int, stage: Stage):
@@ -201,11 +202,11 @@ def ensure_data(cfg: TrainConfig, local_rank: int, stage: Stage):
     barrier()
 
 
-def build_parts(cfg: TrainConfig, env, config, from_weight: str | None, bos_id: int, packed: bool) -> TrainParts:
+def build_parts(cfg: TrainConfig, env, lm_config, from_weight: str | None, bos_id: int, packed: bool) -> TrainParts:
     # The same initial weights on every rank: FSDP shards them as they are, with no
     # broadcast from rank 0 as DDP does. Per-rank streams (dropout) are seeded after.
     setup_seed(cfg.optim.seed)
-    model = init_model(config, from_weight, env.device)
+    model = init_model(lm_config, from_weight, env.device)
     if cfg.model.zero_init_outputs and from_weight is None:  # a fresh model only (a resume loads over it anyway)
         zero_output_projections(model)
     setup_seed(cfg.optim.seed + env.rank)

@@ -193,10 +193,11 @@ class ModelState:
 def write_weights(weights: dict, config, weights_path: str):
     """MiniMind's inference format: a half-precision state_dict at `weights_path` (x.pth), written
     atomically, with the model config beside it (x.json) so that the scripts need no shape flags."""
-    advice = "free space there or pass another --save_dir, then relaunch with --from_resume 1"
+    elsewhere, then = "pass another --save_dir", ", then relaunch with --from_resume 1"
     os.makedirs(os.path.dirname(os.path.abspath(weights_path)), exist_ok=True)
-    atomic_torch_save({k: v.half() for k, v in weights.items()}, weights_path, "the weights", advice)
-    atomic_write_text(sidecar_path(weights_path), sidecar_text(config), "the weights' config", advice=advice)
+    atomic_torch_save({k: v.half() for k, v in weights.items()}, weights_path, "the weights", elsewhere, then)
+    atomic_write_text(sidecar_path(weights_path), sidecar_text(config), "the weights' config", elsewhere=elsewhere,
+                      then=then)
 
 
 def export_weights(model, weights_path: str):
