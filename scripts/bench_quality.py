@@ -5,13 +5,14 @@
     python scripts/bench_quality.py --variants a_minimind,b_defaults --reuse 1 \
         --variant "muon_lr_0.04=--muon_lr 0.04" --variant "warmup_30=--warmup_steps 30"   # a sweep around (b)
     python scripts/bench_quality.py --variants a_minimind,b_defaults --seeds 3 \
-        --variant "polar_express=--muon_ns polar_express"                 # each run with 3 seeds
+        --variant "no_normuon=--normuon 0"                                # each run with 3 seeds
 
 Trains on the demo corpus with the quick start's held-out split (every 25th document,
-scripts/split_corpus.py), one variant after another, one process with --threads
-threads each, and validates every --eval_every steps on the same packed val.bin for
-every variant (the trainer validates padded runs on packed data too), so the curves
-share one yardstick. The clock is the trainer's training time (validation excluded).
+scripts/split_corpus.py), one variant after another (with --seeds N, the variants take turns
+seed after seed), one process with --threads threads each, and validates every --eval_every
+steps on the same packed val.bin for every variant (the trainer validates padded runs on
+packed data too), so the curves share one yardstick. The clock is the trainer's training
+time (validation excluded). The runs go through scripts/launching.py's launch and alternate.
 
     a_minimind   MiniMind's recipe, the README's line: padded JSONL, fp32, lr 5e-4, no warmup, AdamW
                  (betas 0.9,0.999) on everything with one weight decay
@@ -27,7 +28,7 @@ first falls to (a)'s final val loss (interpolated between validations) and the r
 to (a)'s, its bits per byte at (a)'s time and the downstream accuracy of its final
 weights on the held-out multiple-choice task (the quick start's: the committed one in
 dataset/tasks/ where its items hold in this corpus, else one built from the corpus's
-held-out documents; trainer/downstream.py; chance is 0.25); writes the table, the raw rows (JSON) and a
+held-out documents; trainer/evaluate.py; chance is 0.25); writes the table, the raw rows (JSON) and a
 plot (val loss against seconds). On a shared machine seconds are noisy (s/step
 shows the load each variant met); steps are not.
 
@@ -39,11 +40,8 @@ time to (a)'s final loss, the final bits per byte, the bits per byte at (a)'s ti
 accuracy. --seeds 1 (the default) is one run per variant, with the trainer's default seed.
 """
 import json
-import os
 import shlex
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -55,6 +53,7 @@ from dataset.demo_corpus import DEMO_CORPUS, ensure_demo_corpus  # noqa: E402
 from dataset.lm_dataset import load_tokenizer  # noqa: E402
 from model.weights import load_model  # noqa: E402
 from scripts.build_eval_task import main as build_task, task_misfit  # noqa: E402
+from scripts.launching import alternate, launch  # noqa: E402
 from trainer.config import TrainConfig  # noqa: E402
 from common.cli import OneLineArgumentParser  # noqa: E402
 from trainer.evaluate import encode_task, evaluate_task, load_task  # noqa: E402
@@ -151,13 +150,12 @@ def prepare_data(corpus: Path, data: Path) -> Path:
     data.mkdir(parents=True, exist_ok=True)
     if corpus.resolve() == DEMO_CORPUS.resolve():
         ensure_demo_corpus(corpus)  # built once from the standard library, as the trainer does
-    py = sys.executable
-    run = dict(check=True, cwd=REPO_ROOT, env=dict(os.environ, TQDM_DISABLE="1"))
-    subprocess.run([py, "scripts/split_corpus.py", "--data_path", str(corpus), "--every", "25",
-                    "--train_out", str(data / "train.jsonl"), "--val_out", str(data / "val.jsonl")], **run)
+    scripts, quiet = REPO_ROOT / "scripts", {"TQDM_DISABLE": "1"}
+    launch(["--data_path", corpus, "--every", "25", "--train_out", data / "train.jsonl", "--val_out",
+            data / "val.jsonl"], script=scripts / "split_corpus.py", env=quiet, check=True)
     for side in ("train", "val"):
-        subprocess.run([py, "scripts/prepare_data.py", "--data_path", str(data / f"{side}.jsonl"),
-                        "--out_path", str(data / f"{side}.bin"), "--num_proc", "1"], **run)
+        launch(["--data_path", data / f"{side}.jsonl", "--out_path", data / f"{side}.bin", "--num_proc", "1"],
+               script=scripts / "prepare_data.py", env=quiet, check=True)
     return data
 
 
@@ -200,24 +198,19 @@ def train(name, kind, flags, args, data: Path, out: Path) -> list[dict]:
     if args.reuse and metrics.exists() and (val := read_val(metrics)):
         print(f"[{name}] reusing {metrics}: {val[-1]['step']} steps, last val_loss {val[-1]['val_loss']:.4f}", flush=True)
         return val
-    cmd = [sys.executable, "trainer/train_pretrain.py", "--data_path", str(data / f"train.{kind}"),
-           "--val_data_path", str(data / "val.bin"), "--hidden_size", str(args.hidden_size),
-           "--num_hidden_layers", str(args.num_hidden_layers), "--max_seq_len", str(args.max_seq_len),
-           "--batch_size", str(args.batch_size), "--max_steps", str(args.steps), "--eval_interval",
-           str(args.eval_every), "--eval_batches", "1000", "--log_interval", str(args.eval_every),
-           "--save_interval", str(args.steps), "--num_workers", "0", "--save_dir", str(run_dir),
-           "--checkpoint_dir", str(run_dir / "ckpt"), "--save_weight", "bench", *flags]
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TQDM_DISABLE="1")
-    print(f"[{name}] {' '.join(cmd[1:])}", flush=True)
-    started = time.time()
-    with open(out / f"{name}.log", "w") as log:
-        result = subprocess.run(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    if result.returncode != 0:
-        sys.exit(f"error: variant {name} failed (rc {result.returncode}); see {out / f'{name}.log'}")
+    flags = ["--data_path", data / f"train.{kind}", "--val_data_path", data / "val.bin", "--hidden_size",
+             args.hidden_size, "--num_hidden_layers", args.num_hidden_layers, "--max_seq_len", args.max_seq_len,
+             "--batch_size", args.batch_size, "--max_steps", args.steps, "--eval_interval", args.eval_every,
+             "--eval_batches", "1000", "--log_interval", args.eval_every, "--save_interval", args.steps,
+             "--num_workers", "0", "--save_dir", run_dir, "--checkpoint_dir", run_dir / "ckpt",
+             "--save_weight", "bench", *flags]
+    print(f"[{name}] trainer/train_pretrain.py {' '.join(map(str, flags))}", flush=True)
+    run = launch(flags, env={"OMP_NUM_THREADS": str(args.threads), "TQDM_DISABLE": "1"}, log=out / f"{name}.log")
+    if run.returncode != 0:
+        sys.exit(f"error: variant {name} failed (rc {run.returncode}); see {run.log}")
     val = read_val(metrics)
     print(f"[{name}] {len(val)} val points, final val_loss {val[-1]['val_loss']:.4f}, "
-          f"{val[-1]['train_s']:.0f} s training ({time.time() - started:.0f} s with start-up and validation)",
-          flush=True)
+          f"{val[-1]['train_s']:.0f} s training ({run.seconds:.0f} s with start-up and validation)", flush=True)
     return val
 
 
@@ -330,12 +323,18 @@ def main(argv=None):
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     data = prepare_data(Path(args.corpus), out / "data")
-    runs, names = {}, {}  # {variant: {seed: val curve}}, {variant: {seed: its run's name}}
-    for name, (kind, flags) in variant_table(args).items():
-        runs[name], names[name] = {}, {}
-        for seed in run_seeds(args):
-            names[name][seed], run_flags = seed_run(name, flags, seed, args)
-            runs[name][seed] = train(names[name][seed], kind, run_flags, args, data, out)
+    variants = variant_table(args)
+    runs = {name: {} for name in variants}  # {variant: {seed: val curve}}
+    names = {name: {} for name in variants}  # {variant: {seed: its run's name}}
+    seeds = {name: iter(run_seeds(args)) for name in variants}
+
+    def train_next_seed(name):
+        kind, flags = variants[name]
+        seed = next(seeds[name])
+        names[name][seed], run_flags = seed_run(name, flags, seed, args)
+        runs[name][seed] = train(names[name][seed], kind, run_flags, args, data, out)
+    # Seed after seed, the variants take turns: a slow moment of the machine falls on all of them alike.
+    alternate({name: lambda name=name: train_next_seed(name) for name in variants}, rounds=args.seeds)
     torch.set_num_threads(args.threads)
     items = encode_task(load_tokenizer(REPO_ROOT / "model"), load_task(task_file(args, data)))
     accuracy = {name: {seed: final_accuracy(out / run, args, items) for seed, run in by_seed.items()}

@@ -1,5 +1,5 @@
 """torchrun agents of an elastic c10d job on 127.0.0.1, each standing in for a node, and the
-port they agree on in advance: what tests/test_elastic.py and scripts/bench_elastic.py
+port they agree on in advance: what tests/test_elastic.py and scripts/bench_train.py elastic
 start, SIGKILL and time."""
 import fcntl
 import random

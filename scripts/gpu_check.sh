@@ -11,20 +11,20 @@
 #   corpus, pack  the demo corpus and its packed .bin, built only when missing (carry
 #              dataset/demo_pretrain.jsonl and .bin to the machine to keep their time);
 #   b c i j d  the runs the targets' ratios need: the 64M model (hidden 768, 8 layers) at seq
-#              1024, batch 32, bf16, one trainer run each through scripts/bench_pretrain.py:
+#              1024, batch 32, bf16, one trainer run each through scripts/bench_train.py throughput:
 #              packed eager (b), compiled with the default optimizer (c: Muon) and with AdamW
 #              (i), compiled with --doc_mask (j), torchrun --nproc_per_node=1 on NCCL (d);
-#   optimizer  Muon's step alone: scripts/bench_optimizer.py --settings cuda (AdamW, torch.optim.Muon, ours);
+#   optimizer  Muon's step alone: scripts/bench_ops.py optimizer --settings cuda (AdamW, torch.optim.Muon, ours);
 #   then, as time allows:
-#   ddp        what DDP would cost a 1-GPU run, and its settings: scripts/bench_ddp.py (world size 1, NCCL;
+#   ddp        what DDP would cost a 1-GPU run, and its settings: scripts/bench_ops.py ddp (world size 1, NCCL;
 #              since (d) runs no DDP at all, this row is where DDP's own overhead shows);
 #   flash      SDPA forced onto the flash kernel (sdpa_kernel(FLASH_ATTENTION)) for the model's own
 #              attention call, forward and backward, in bf16 at our head sizes; then the kernels the
 #              profiler sees when SDPA chooses by itself;
-#   kernels    the --doc_mask kernels: scripts/bench_attention.py --device cuda (dense mask against
+#   kernels    the --doc_mask kernels: scripts/bench_ops.py attention --device cuda (dense mask against
 #              FlexAttention, forward+backward, outputs and gradients compared);
-#   loss       the chunked cross-entropy against F.cross_entropy on upcast logits: scripts/bench_loss.py
-#              --device cuda at the 64M run's batch x seq (and 8 x 340);
+#   loss       the chunked cross-entropy against F.cross_entropy on upcast logits: scripts/bench_ops.py
+#              loss --device cuda at the 64M run's batch x seq (and 8 x 340);
 #   f g a      eager doc_mask (f), FSDP under torchrun on 1 GPU (g), padded JSONL (a).
 # It ends with a table (tokens/s, MFU and peak memory per variant, from the trainer's metrics) and
 # the ratios the targets are stated in: c/i >= 0.90 (Muon's cost), j/c >= 0.95 (the document
@@ -68,8 +68,9 @@ KILL_AFTER=5                # timeout(1) sends SIGKILL this long after its SIGTE
 declare -A CAP=([env]=30 [corpus]=50 [pack]=25 [b]=90 [c]=170 [i]=120 [j]=150 [d]=90 [optimizer]=90
                 [ddp]=60 [flash]=60 [kernels]=90 [loss]=30 [f]=90 [g]=90 [a]=90)
 declare -A FLOOR=([b]=50 [c]=90 [i]=60 [j]=90 [d]=50 [optimizer]=40)
-# bench_pretrain.py starts (imports) before its --timeout clock, and stops a timed-out trainer
-# with SIGTERM and up to 15 s of grace: its --timeout is a variant's limit less this margin.
+# bench_train.py starts (imports) before its --timeout clock, and stops a timed-out trainer
+# with SIGTERM and up to 15 s of grace (scripts/launching.py's stop): its --timeout is a
+# variant's limit less this margin.
 STOP_MARGIN=30
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
@@ -163,9 +164,9 @@ variant() {
     if (( LIMIT < STOP_MARGIN + 20 )); then
         say "[variant_$key] SKIPPED: out of time (${SECONDS}s of ${BUDGET}s used)"; return
     fi
-    # bench_pretrain stops its trainer at --timeout itself (SIGTERM, which torchrun passes on),
+    # bench_train.py stops its trainer at --timeout itself (SIGTERM, which torchrun passes on),
     # well inside run's limit, so no trainer keeps the GPU. Its JSON feeds the final table.
-    QUIET=1 run "variant_$key" "$LIMIT" "$PYTHON" scripts/bench_pretrain.py --device "$DEVICE" --variants "$key" \
+    QUIET=1 run "variant_$key" "$LIMIT" "$PYTHON" scripts/bench_train.py throughput --device "$DEVICE" --variants "$key" \
         --nproc 1 --rounds 1 --steps "$STEPS" --warmup "$WARMUP" --hidden_size "$HIDDEN" \
         --num_hidden_layers "$LAYERS" --max_seq_len "$SEQ" --batch_size "$BATCH" --dtype bfloat16 \
         --timeout "$((LIMIT - STOP_MARGIN))" --out "$REPORT_DIR/variant_$key.json" --keep_logs "$LOGS"
@@ -176,14 +177,14 @@ optimizer_step() {
     local settings=cuda
     [[ $DEVICE == cpu ]] && settings=one
     limit_for optimizer
-    run optimizer "$LIMIT" "$PYTHON" scripts/bench_optimizer.py --settings "$settings" --hidden_size "$HIDDEN" \
+    run optimizer "$LIMIT" "$PYTHON" scripts/bench_ops.py optimizer --settings "$settings" --hidden_size "$HIDDEN" \
         --num_hidden_layers "$LAYERS" --steps 5
 }
 
 # ---------------------------------------------------------------- DDP's own cost, at world size 1
 ddp_cost() {
     limit_for ddp
-    run ddp "$LIMIT" "$PYTHON" scripts/bench_ddp.py --device "$DEVICE" --worlds 1 --hidden_size "$HIDDEN" \
+    run ddp "$LIMIT" "$PYTHON" scripts/bench_ops.py ddp --device "$DEVICE" --worlds 1 --hidden_size "$HIDDEN" \
         --num_hidden_layers "$LAYERS" --max_seq_len "$SEQ" --batch_size "$BATCH" --dtype bfloat16 --steps 5
 }
 
@@ -224,14 +225,15 @@ EOF
 # ---------------------------------------------------------------- dense mask vs FlexAttention
 doc_mask_kernels() {
     limit_for kernels
-    run doc_mask_kernels "$LIMIT" "$PYTHON" scripts/bench_attention.py --device "$DEVICE" --hidden_sizes "$HIDDEN" \
+    run doc_mask_kernels "$LIMIT" "$PYTHON" scripts/bench_ops.py attention --device "$DEVICE" --hidden_sizes "$HIDDEN" \
         --seq_lens "$SEQ" --batch_size "$BATCH" --repeats 10
 }
 
 # ---------------------------------------------------------------- the loss's two implementations
 loss_kernels() {
     limit_for loss
-    run loss_kernels "$LIMIT" "$PYTHON" scripts/bench_loss.py --device "$DEVICE" --tokens "2720,$((BATCH * SEQ))" --repeats 5
+    run loss_kernels "$LIMIT" "$PYTHON" scripts/bench_ops.py loss --device "$DEVICE" --tokens "2720,$((BATCH * SEQ))" \
+        --repeats 5
 }
 
 for step in $PLAN; do
