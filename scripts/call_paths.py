@@ -7,7 +7,7 @@ each in a fresh interpreter under sys.setprofile: the repository functions whose
 differ between the two runs, and the files that hold them.
 
     step: 6 steps against 4, with the only save at the end of each run
-    save: 4 steps saving every 2 (two saves) against every 4 (one save)
+    save: 4 steps saving every 2 (two saves) against only at the end (one save)
 
     python scripts/call_paths.py              # the table
     python scripts/call_paths.py --list       # and every function, per file
@@ -28,18 +28,25 @@ TINY = ["--hidden_size", "64", "--num_hidden_layers", "2", "--max_seq_len", "64"
         "--num_workers", "0", "--device", "cpu", "--log_interval", "1000", "--eval_interval", "0",
         "--val_fraction", "0"]
 PRODUCT = ("common", "model", "dataset", "trainer")  # the packages a step runs through (not .venv, tests, scripts)
-RUNS = {"step": ((6, 1000), (4, 1000)), "save": ((4, 2), (4, 4))}
+RUNS = {"step": ((6, 1000), (4, 1000)), "save": ((4, 2), (4, 1000))}  # (steps, save_interval): more, fewer
 
 
-def count_calls(steps: int, save_interval: int, work: Path) -> Counter:
-    """Repository function calls of one run, {"file:function": count}, in a fresh interpreter."""
-    out = work / f"calls_{steps}_{save_interval}.json"
-    flags = [*TINY, "--max_steps", str(steps), "--save_interval", str(save_interval),
-             "--save_dir", str(work / f"out_{steps}_{save_interval}"),
-             "--checkpoint_dir", str(work / f"ckpt_{steps}_{save_interval}")]
-    subprocess.run([sys.executable, __file__, "--child", str(out), *flags], check=True, cwd=work,
-                   stdout=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return Counter(json.loads(out.read_text()))
+def count_calls(runs, work: Path) -> dict:
+    """{(steps, save_interval): Counter of "file:function" calls} of each run, each in a fresh
+    interpreter, all at once (the machine's cores take them side by side)."""
+    jobs = {}
+    for steps, save_interval in runs:
+        out = work / f"calls_{steps}_{save_interval}.json"
+        flags = [*TINY, "--max_steps", str(steps), "--save_interval", str(save_interval),
+                 "--save_dir", str(work / f"out_{steps}_{save_interval}"),
+                 "--checkpoint_dir", str(work / f"ckpt_{steps}_{save_interval}")]
+        jobs[(steps, save_interval)] = (out, subprocess.Popen([sys.executable, __file__, "--child", str(out), *flags],
+                                                               cwd=work, stdout=subprocess.DEVNULL,
+                                                               env={**os.environ, "OMP_NUM_THREADS": "1"}))
+    for run, (out, job) in jobs.items():
+        if job.wait() != 0:
+            raise RuntimeError(f"the run {run} failed")
+    return {run: Counter(json.loads(out.read_text())) for run, (out, _) in jobs.items()}
 
 
 def differing(a: Counter, b: Counter) -> dict:
@@ -56,11 +63,10 @@ def measure() -> dict:
     sys.path.insert(0, str(REPO_ROOT))
     from dataset.demo_corpus import DEMO_CORPUS, ensure_demo_corpus
 
-    ensure_demo_corpus(DEMO_CORPUS)  # built before either run, so that neither counts its building
+    ensure_demo_corpus(DEMO_CORPUS)  # built before the runs, so that none counts its building
     with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        return {name: differing(count_calls(*more, work), count_calls(*fewer, work))
-                for name, (more, fewer) in RUNS.items()}
+        calls = count_calls({run for pair in RUNS.values() for run in pair}, Path(tmp))
+        return {name: differing(calls[more], calls[fewer]) for name, (more, fewer) in RUNS.items()}
 
 
 def child(out: str, flags: list):

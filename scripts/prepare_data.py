@@ -250,7 +250,7 @@ def write_all(out, todo, chunk_lines, num_proc, skip_bad_lines, init_args):
 
 
 @report_user_errors
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description="Tokenize a corpus into a packed token stream or shards")
     parser.add_argument("--data_path", required=True,
                         help='a .jsonl or .parquet file, a directory of them, or a quoted glob like "data/*.jsonl"')
@@ -269,7 +269,7 @@ def main():
     parser.add_argument("--sft", action="store_true",
                         help="conversations ({\"conversations\": [...]} lines) for train_full_sft.py: one .bin "
                              "of their tokens with their loss spans (.bin.blocks)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.sft:
         stats = prepare_sft(args.data_path, args.out_path, args.tokenizer_path, args.num_proc, args.chunk_lines)
         print(f"{stats['conversations']:,} conversations, {stats['tokens']:,} tokens ({stats['trained_tokens']:,} "

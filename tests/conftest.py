@@ -9,14 +9,15 @@ from tests.jobs import SharedRuns
 from tests.tiny import build_tokenizer, ensure_demo_corpus
 
 
-# The files that take longest, longest first: 128, 122, 87, 57, 42, 41, 33, 25, 23, 21, 20 and 19 s of
-# their tests' time in one `-n 3 --durations=0` run on 2 cores (test_slurm.py, skipped there, took about 85
-# s before). With -n, pytest-xdist hands whole files to the workers in collection order (pytest.ini), so a
-# long file collected last would run alone at the end while the other workers sit idle.
+# The files that take longest, longest first, by their tests' time in `-n 3 --durations` runs on 2 cores
+# (test_storage.py about 55 s alone, test_layers.py 13 s; test_slurm.py about 85 s where SLURM installs).
+# With -n, pytest-xdist hands whole files to the workers in collection order (pytest.ini), so a long file
+# collected last would run alone at the end while the other workers sit idle.
 LONGEST_FIRST = ("test_quickstart.py", "test_fault_tolerance.py", "test_elastic.py", "test_slurm.py",
-                 "test_launch.py", "test_compile.py", "test_sft.py", "test_downstream.py", "test_node_local_disks.py",
-                 "test_convert.py", "test_clean_shutdown.py", "test_bad_input.py", "test_untrusted_input.py",
-                 "test_muon.py", "test_shards.py", "test_scaling.py")
+                 "test_storage.py", "test_launch.py", "test_compile.py", "test_sft.py", "test_downstream.py",
+                 "test_node_local_disks.py", "test_convert.py", "test_clean_shutdown.py", "test_bad_input.py",
+                 "test_untrusted_input.py", "test_muon.py", "test_shards.py", "test_scaling.py", "test_layers.py",
+                 "test_config.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -94,12 +94,15 @@ def test_the_metrics_file_on_a_full_disk_costs_a_warning_not_the_run(tmp_path, s
 
 
 # ---------------------------------------------------------------------------- a run whose disk fills
-def disk_run(tmp_path, disk, flags, nproc=1, mode="inprocess", sharded=False, script=None, prefix=PREFIX):
-    """A reference run on a roomy disk, then the same run with --checkpoint_dir on `disk`, left with
-    room for one and a half checkpoints: the save at step 2 fits, the one at step 4 does not.
-    Returns (the reference's final state, the failed run, its checkpoint folder)."""
+def disk_run(tmp_path, disk, flags, nproc=1, mode="inprocess", sharded=False, script=None, prefix=PREFIX,
+             ref_mode=None):
+    """A reference run on a roomy disk (launched as `ref_mode`, else `mode`), then the same run with
+    --checkpoint_dir on `disk`, left with room for one and a half checkpoints: the save at step 2
+    fits, the one at step 4 does not. Returns (the reference's final state, the failed run, its
+    flags of where, the script's)."""
     extra = {"script": script} if script else {}
-    ref = run_trainer([*flags, *out_args(tmp_path / "ref")], tmp_path / "ref", nproc=nproc, mode=mode, **extra)
+    ref = run_trainer([*flags, *out_args(tmp_path / "ref")], tmp_path / "ref", nproc=nproc, mode=ref_mode or mode,
+                      **extra)
     assert ref.returncode == 0, ref.stdout[-3000:]
     size = size_of(tmp_path / "ref" / "ckpt" / checkpoint_name(2, prefix, sharded))
     disk.fill(leave=int(1.5 * size))
@@ -130,8 +133,9 @@ def test_a_disk_that_fills_stops_the_run_in_one_line_and_the_resume_is_bitwise(t
     not fit, the run stops with one line, step 2's checkpoint and link stay as they were; with
     the space back, --from_resume 1 ends bitwise where the uninterrupted run ends."""
     nproc, mode, flags, script, sharded, prefix = 1, "inprocess", RUN, None, False, PREFIX
-    if launch == "torchrun":
-        nproc, mode = 2, "torchrun"
+    ref_mode = None
+    if launch == "torchrun":  # the disk fills under the real torchrun; the rest forked, which trains the same bits
+        nproc, mode, ref_mode = 2, "torchrun", "forked"
     elif launch == "fsdp":
         nproc, mode, flags, sharded = 2, "forked", [*RUN, "--parallel", "fsdp"], True
     elif launch == "sft":
@@ -139,15 +143,15 @@ def test_a_disk_that_fills_stops_the_run_in_one_line_and_the_resume_is_bitwise(t
 
         flags, script, prefix = [*RUN, "--from_weight", "none", "--max_seq_len", "128"], TRAIN_SFT, "full_sft_64"
     disk = small_disk(40 * MiB)
-    reference, full, where, extra = disk_run(tmp_path, disk, flags, nproc, mode, sharded, script, prefix)
+    reference, full, where, extra = disk_run(tmp_path, disk, flags, nproc, mode, sharded, script, prefix, ref_mode)
     assert_stopped_in_one_line_with_step_2_intact(full, disk, sharded, prefix)
     if launch == "one process":
         assert re.search(r"warning: --checkpoint_dir \S+ has [\d.,]+ \w+ free .* needs about [\d.,]+ \w+", full.stdout)
     if launch == "torchrun":  # torchrun's own report names the root cause in our words, not a traceback
         assert re.search(r"(?m)^\s*traceback\s*: error: cannot write the checkpoint", full.stdout), full.stdout[-2000:]
     disk.empty()
-    resumed = run_trainer([*flags, *where, "--from_resume", "1"], tmp_path / "run", nproc=nproc, mode=mode,
-                          env=disk.env, **extra)
+    resumed = run_trainer([*flags, *where, "--from_resume", "1"], tmp_path / "run", nproc=nproc,
+                          mode=ref_mode or mode, env=disk.env, **extra)
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     assert "resumed from" in resumed.stdout and "at step 2/6" in resumed.stdout
     assert_same_run(final_state(disk.path, 6, sharded, prefix), reference)
@@ -213,37 +217,42 @@ def test_a_newest_checkpoint_the_disk_cannot_read_gives_way_to_the_one_before(tm
 
 
 # ---------------------------------------------------------------------------- prepare_data.py
-@pytest.mark.slow
+def run_script(main, argv, disk, capsys) -> tuple[int, str]:
+    """A script's main(argv) in this process, the disk's quota (if it has one) on: (exit code, stderr)."""
+    capsys.readouterr()
+    code = 0
+    with disk.installed():
+        try:
+            main(argv)
+        except SystemExit as exc:
+            code = exc.code
+    return code, capsys.readouterr().err
+
+
 @pytest.mark.parametrize("layout", ["file", "shards"])
-def test_prepare_data_on_a_full_disk_is_one_line_and_leaves_no_partial_file(tmp_path, small_disk, layout):
+def test_prepare_data_on_a_full_disk_is_one_line_and_leaves_no_partial_file(tmp_path, small_disk, layout, capsys):
     """One .bin, or a shard directory (a shard per 20,000 tokens): the disk refuses the tokens
     half way; one line, rc 2, no half file; with the space back, the same command writes what a
     roomy disk gets, byte for byte (shards already finished are kept, not redone)."""
-    import subprocess
-
-    from scripts.launching import PYTHON, REPO_ROOT
+    from scripts.prepare_data import main
     from tests.tiny import ensure_demo_corpus
 
     corpus = ensure_demo_corpus()
     name, extra = ("tokens.bin", []) if layout == "file" else ("shards", ["--shard_tokens", "20000"])
-
-    def prepare(out_dir, env=None):
-        return subprocess.run([PYTHON, str(REPO_ROOT / "scripts" / "prepare_data.py"), "--data_path", str(corpus),
-                               "--out_path", str(out_dir / name), "--num_proc", "1", *extra], capture_output=True,
-                              text=True, env={**os.environ, **(env or {})}, timeout=300)
-
+    argv = lambda out_dir: ["--data_path", str(corpus), "--out_path", str(out_dir / name), "--num_proc", "1",  # noqa: E731
+                            *extra]
     roomy = tmp_path / "roomy"
     roomy.mkdir()
-    assert prepare(roomy).returncode == 0
+    main(argv(roomy))
     disk = small_disk(4 * MiB)
     disk.fill(leave=size_of(roomy / name) // 2)
-    full = prepare(disk.path, disk.env)
-    assert full.returncode == 2 and "Traceback" not in full.stderr, full.stderr[-3000:]
-    [line] = full.stderr.strip().splitlines()
+    code, err = run_script(main, argv(disk.path), disk, capsys)
+    assert code == 2 and "Traceback" not in err, err[-3000:]
+    [line] = err.strip().splitlines()
     assert line.startswith(f"error: cannot write the packed tokens {disk.path / name}: no space left on device")
     assert not [p for p in disk.path.rglob("*") if p.name.endswith(".tmp") or p.name.endswith(".tmp.json")]
     disk.empty()
-    assert prepare(disk.path, disk.env).returncode == 0
+    assert run_script(main, argv(disk.path), disk, capsys)[0] == 0
     made = sorted(p.relative_to(roomy) for p in roomy.rglob("*.bin"))
     assert made == sorted(p.relative_to(disk.path) for p in disk.path.rglob("*.bin"))
     for path in made:
@@ -254,13 +263,10 @@ def test_prepare_data_on_a_full_disk_is_one_line_and_leaves_no_partial_file(tmp_
 
 
 # ---------------------------------------------------------------------------- the Hugging Face export
-@pytest.mark.slow
-def test_an_export_that_does_not_fit_is_one_line_and_leaves_no_half_folder(tmp_path, small_disk):
+def test_an_export_that_does_not_fit_is_one_line_and_leaves_no_half_folder(tmp_path, small_disk, capsys):
     """convert_model.py writes and verifies the export beside --out_dir and moves it in whole: a
     disk that fills half way leaves neither a half export nor the folder it was written in."""
-    import subprocess
-
-    from scripts.launching import PYTHON, REPO_ROOT
+    from scripts.convert_model import main
     from tests.tiny import train_tiny
     from trainer.train_state import export_weights
 
@@ -268,17 +274,13 @@ def test_an_export_that_does_not_fit_is_one_line_and_leaves_no_half_folder(tmp_p
     export_weights(train_tiny(use_moe=False), str(weights))
     disk = small_disk(4 * MiB)
     disk.fill(leave=MiB)  # the fp32 export of the tiny model takes about 2 MiB
-
-    def convert(env):
-        return subprocess.run([PYTHON, str(REPO_ROOT / "scripts" / "convert_model.py"), "--weight_path", str(weights),
-                               "--out_dir", str(disk.path / "hf")], capture_output=True, text=True,
-                              env={**os.environ, **env}, timeout=300)
-    full = convert(disk.env)
-    assert full.returncode == 2 and "Traceback" not in full.stderr, full.stderr[-3000:]
-    [line] = full.stderr.strip().splitlines()
+    argv = ["--weight_path", str(weights), "--out_dir", str(disk.path / "hf")]
+    code, err = run_script(main, argv, disk, capsys)
+    assert code == 2 and "Traceback" not in err, err[-3000:]
+    [line] = err.strip().splitlines()
     assert line.startswith(f"error: cannot write the Hugging Face export {disk.path / 'hf'}: no space left on device")
     assert sorted(p.name for p in disk.path.iterdir()) == ["ballast"]
     disk.empty()
-    done = convert(disk.env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert (disk.path / "hf" / "model.safetensors").is_file() and "max logit diff vs our model = 0" in done.stdout
+    capsys.readouterr()
+    assert run_script(main, argv, disk, capsys)[0] == 0
+    assert (disk.path / "hf" / "model.safetensors").is_file()
