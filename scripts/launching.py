@@ -199,7 +199,6 @@ def subcommand_parser(doc: str, subcommands: dict, parser_class=argparse.Argumen
     return parser
 
 
-
 def table(*columns):
     """A benchmark's table, in Markdown, as the docs quote it: the header now, the rows as they come."""
     print("| " + " | ".join(columns) + " |\n|" + "---|" * len(columns), flush=True)
