@@ -113,8 +113,8 @@ def atomic_write_bytes(path, data: bytes, what: str = "the file", elsewhere: str
 
 def atomic_write_text(path, text: str, what: str = "the file", shared: bool = False,
                       elsewhere: str = "write elsewhere", then: str = ""):
-    atomic_write(path, lambda f: f.write(text), what, mode="w", shared=shared, needed=len(text.encode()), elsewhere=elsewhere,
-                 then=then)
+    atomic_write(path, lambda f: f.write(text), what, mode="w", shared=shared, needed=len(text.encode()),
+                 elsewhere=elsewhere, then=then)
 
 
 def append_text(path, text: str, what: str = "the file"):

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 INJECT_DIR = Path(__file__).resolve().parent / "inject"
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def fault_env(kind: str, at: int, rank: int = 0) -> dict:
@@ -89,11 +88,11 @@ def install(plan: FaultPlan):
     return undo
 
 
-def install_from_env(environ=os.environ):
-    """install() the plan the environment holds, and the quota of a SmallDisk, where it holds
-    them; returns the undo (or None)."""
+def install_from_env(environ=os.environ, faults: bool = True):
+    """install() the plan the environment holds (unless not `faults`), and the quota of a
+    SmallDisk, where it holds them; returns the undo (or None)."""
     undos = []
-    if environ.get("MINIMIND_FAULT_AT_STEP") is not None:
+    if faults and environ.get("MINIMIND_FAULT_AT_STEP") is not None:
         undos.append(install(FaultPlan.from_env(environ)))
     if environ.get(QUOTA_VARIABLE):
         folder, _, size = environ[QUOTA_VARIABLE].rpartition("=")
@@ -162,7 +161,7 @@ class SmallDisk:
 
 def fault_env_base() -> dict:
     """What makes a launched process load tests/inject/sitecustomize.py."""
-    return {"PYTHONPATH": f"{INJECT_DIR}{os.pathsep}{REPO_ROOT}"}
+    return {"PYTHONPATH": str(INJECT_DIR)}
 
 
 def used_bytes(folder: Path) -> int:

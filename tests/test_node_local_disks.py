@@ -23,7 +23,7 @@ TRAIN_IN_NODE = "trainer/train_pretrain.py"  # each node runs its own copy
 
 def copy_repo(dest: Path) -> Path:
     """What a node needs to train: the code, the tokenizer and its own data file (and the
-    test's fault hook, which the trainer imports by the name in MINIMIND_STEP_HOOKS)."""
+    test's fault injection, which tests/inject/sitecustomize.py imports from the node's copy)."""
     skip = shutil.ignore_patterns("__pycache__", "*.jsonl", "*.bin")
     for package in ("common", "trainer", "model", "dataset"):
         shutil.copytree(REPO_ROOT / package, dest / package, ignore=skip)

@@ -272,7 +272,8 @@ def list_checkpoints(checkpoint_dir, prefix="*") -> list[str]:
     """Step checkpoints (files and DCP folders) of this run, newest first: most tokens trained,
     as recorded at save time (a step of 2 processes is 2 steps of 1). Unrecorded ones (an
     interrupted save) sort last; they are skipped on load anyway."""
-    pattern = os.path.join(glob.escape(checkpoint_dir), f"{prefix if prefix == '*' else glob.escape(prefix)}_resume_step*")
+    name = prefix if prefix == "*" else glob.escape(prefix)
+    pattern = os.path.join(glob.escape(checkpoint_dir), f"{name}_resume_step*")
     paths = [p for p in glob.glob(pattern) if re.search(r"_resume_step\d+\.(pth|dcp)$", p)]
     return sorted(paths, key=_progress_of, reverse=True)
 
@@ -356,7 +357,8 @@ def verify_checkpoint(path: str, needs=(), weight_keys=ModelState.keys) -> dict:
         if name not in actual:
             raise ValueError(f"{name} is missing")
         if actual[name]["size"] != expected["size"]:
-            raise ValueError(f"{name} has {actual[name]['size']} bytes, but {expected['size']} were written (truncated?)")
+            raise ValueError(f"{name} has {actual[name]['size']} bytes, but {expected['size']} were written "
+                             f"(truncated?)")
         if actual[name]["sha256"] != expected["sha256"]:
             raise ValueError(f"{name}: sha256 does not match the one recorded at save time (corrupt)")
     state_file = os.path.join(path, TRAINER_STATE) if os.path.isdir(path) else path
@@ -379,7 +381,8 @@ def check_config_matches(path: str, saved: dict, current: dict):
     for key in CONFIG_KEYS:
         if saved.get(key) != current.get(key):
             raise UserError(
-                f"checkpoint {path} was saved with {key}={saved.get(key)}, but the flags give {key}={current.get(key)}; "
+                f"checkpoint {path} was saved with {key}={saved.get(key)}, but the flags give "
+                f"{key}={current.get(key)}; "
                 f"rerun with the flags it was trained with, or point --checkpoint_dir elsewhere to start fresh"
             )
 

@@ -95,7 +95,8 @@ def number_from(low: float, meaning: str, *, strict: bool = False):
 
 
 def share(meaning: str, *, one: bool = True):
-    return lambda v: None if 0 <= v < 1 or (one and v == 1) else f"must be in [0, 1{']' if one else ')'} ({meaning}), got {v}"
+    top = "]" if one else ")"
+    return lambda v: None if 0 <= v < 1 or (one and v == 1) else f"must be in [0, 1{top} ({meaning}), got {v}"
 
 
 def flag(default, help: str, *, type=None, choices=None, check=None):
@@ -228,8 +229,8 @@ class ChatConfig:
                                     check=share("a share of samples"))
 
 
-GROUPS = {"output": OutputConfig, "optim": OptimConfig, "model": ModelConfig, "data": DataConfig, "system": SystemConfig,
-          "chat": ChatConfig}
+GROUPS = {"output": OutputConfig, "optim": OptimConfig, "model": ModelConfig, "data": DataConfig,
+          "system": SystemConfig, "chat": ChatConfig}
 GROUP_OF = {f.name: group for group, cls in GROUPS.items() for f in dataclasses.fields(cls)}
 
 

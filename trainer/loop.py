@@ -59,16 +59,16 @@ class Stage:
 
 
 def train(cfg: TrainConfig, typed: frozenset, env, stage: Stage) -> int:
-    # ------------------------------------------------------------------ 1. output folders, tokenizer, model lm_config
+    # ------------------------------------------------------------------ 1. output folders, tokenizer, model
     sharded = cfg.system.parallel == "fsdp" and env.distributed
     check_output_dirs(cfg.output.save_dir, cfg.output.checkpoint_dir, sharded)
     tokenizer = load_tokenizer(cfg.model.tokenizer_path)
     lm_config = model_config(cfg, typed)
     prefix = run_prefix(cfg.output.save_weight, lm_config.hidden_size, lm_config.use_moe)
 
-    # ------------------------------------------------------------------ 2. the resumed lm_config, data, what auto becomes
+    # ------------------------------------------------------------------ 2. the resumed config, data, auto
     origin = dict.fromkeys(typed, "typed")
-    if cfg.output.from_resume:  # the same flag on every rank: all of them join newest_record()'s broadcast, or none does
+    if cfg.output.from_resume:  # the same flag on every rank: all join newest_record()'s broadcast, or none does
         record = newest_record(cfg.output.checkpoint_dir, prefix)
         cfg, origin = resume_config(cfg, typed, legacy_record(record), f"checkpoint {record.get('path')}")
         lm_config = model_config(cfg, typed)
@@ -110,8 +110,9 @@ def train(cfg: TrainConfig, typed: frozenset, env, stage: Stage) -> int:
                                                                env.rank, env.world_size, pin)
     byte_lengths = token_byte_lengths(tokenizer, lm_config.vocab_size).to(env.device)
     clock = TrainClock(env.device)
-    log = RunLogger(metrics_path(cfg.output.save_dir, prefix), cfg.output, prefix, state,
-                    {**cfg.flags(), "accumulation_steps": plan.accumulation_steps}, is_main_process(), clock, env.device)
+    resolved = {**cfg.flags(), "accumulation_steps": plan.accumulation_steps}  # what wandb records
+    log = RunLogger(metrics_path(cfg.output.save_dir, prefix), cfg.output, prefix, state, resolved, is_main_process(),
+                    clock, env.device)
     state.wandb_run_id = log.wandb_run_id
     preempt, save_clock = PreemptionFlag(), SaveClock(cfg.output.save_every_minutes, is_main_process())
     preempt.install()
@@ -212,7 +213,8 @@ def build_parts(cfg: TrainConfig, env, lm_config, from_weight: str | None, bos_i
     setup_seed(cfg.optim.seed + env.rank)
     system = cfg.system
     # FSDP shards `model` in place, so the optimizer comes after.
-    net = wrap_model(model, env, system.parallel, system.dtype, bool(system.use_compile), bool(system.grad_checkpointing))
+    net = wrap_model(model, env, system.parallel, system.dtype, bool(system.use_compile),
+                     bool(system.grad_checkpointing))
     optimizer = build_optimizer(model, cfg.optim, torch.bfloat16 if system.dtype == "bfloat16" else torch.float32,
                                 compile_update=env.device.type == "cuda",
                                 replica_group=replica_group(env, system.parallel))

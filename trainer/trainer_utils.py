@@ -1,11 +1,11 @@
 """The shared module of the training scripts, where MiniMind users look for its entry points:
 get_lr, Logger, is_main_process, init_distributed_mode, setup_seed, init_model and
 lm_checkpoint. As in MiniMind, the seeding and the model's construction (its config, its first
-weights, its initialisation) are defined here, and the loop builds its model with them; the rest are defined where their concept lives (the schedule
-in trainer/optim.py, the process group in trainer/distributed.py, checkpoints in
-trainer/checkpoint.py) and exported here by name, the very functions the trainer uses
-(tests/test_trainer_utils.py fails otherwise). Only trainer/loop.py imports this module, so
-there is no cycle."""
+weights, its initialisation) are defined here, and the loop builds its model with them; the
+rest are defined where their concept lives (the schedule in trainer/optim.py, the process group
+in trainer/distributed.py, checkpoints in trainer/checkpoint.py) and exported here by name, the
+very functions the trainer uses (tests/test_trainer_utils.py fails otherwise). Only
+trainer/loop.py imports this module, so there is no cycle."""
 import os
 import random
 from pathlib import Path
