@@ -266,7 +266,7 @@ class MiniMindModel(nn.Module):
         # Non-persistent: derived from the config, so they stay out of checkpoints.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        # Set by trainer/parallel.py for --grad_checkpointing.
+        # Set by the trainer (wrap_model in trainer/distributed.py) for --grad_checkpointing.
         self.gradient_checkpointing = False
 
     def forward(self, input_ids, attention_mask=None, past_key_values=None, use_cache=False):

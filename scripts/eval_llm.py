@@ -19,7 +19,7 @@ prompt and stops at <|im_end|>; in a terminal the conversation goes on turn afte
 --ppl_data takes text ({"text": ...} lines: loss over every token after BOS) or conversations
 ({"conversations": [...]} lines: loss over the assistant's replies, as fine-tuning trains them).
 
---task scores a multiple-choice task file (trainer/downstream.py: lm-evaluation-harness's
+--task scores a multiple-choice task file (trainer/evaluate.py: lm-evaluation-harness's
 acc and acc_norm, with their standard errors) and prints them as the last line:
 `acc=0.XXXX acc_norm=0.XXXX acc_stderr=0.XXXX acc_norm_stderr=0.XXXX`.
 """

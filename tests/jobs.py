@@ -244,7 +244,7 @@ def run_env(run_dir, extra=None) -> dict:
     env = dict(os.environ)
     # One thread per process: two ranks on two cores must not oversubscribe them. Each
     # run's temp files stay in its folder, unless that path is too long for the sockets
-    # of DataLoader workers (trainer/preflight.py), as under a long user name or xdist.
+    # of DataLoader workers (trainer/data.py), as under a long user name or xdist.
     tmp = str(run_dir) if len(os.fsencode(str(run_dir))) <= MAX_WORKER_TMPDIR else tempfile.gettempdir()
     env.update(OMP_NUM_THREADS="1", TMPDIR=tmp, PYTHONUNBUFFERED="1")
     # torch.compile keeps its kernels under the temp folder by default; the folder this

@@ -1,4 +1,4 @@
-"""trainer/downstream.py (multiple-choice accuracy with our model), scripts/build_eval_task.py
+"""trainer/evaluate.py (multiple-choice accuracy with our model), scripts/build_eval_task.py
 and the committed task under dataset/tasks/, against hand computations and lm-evaluation-harness."""
 import json
 import math

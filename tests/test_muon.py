@@ -1,7 +1,7 @@
 """trainer/optim.py's Muon: torch.optim.Muon's update, batched by shape, split across ranks
 (DDP and FSDP2), in the run's precision, compiled without recompiles, and resumable bitwise
 (also from a checkpoint torch.optim.Muon wrote); with NorMuon on, split and resumed likewise.
-What NorMuon computes is tests/test_muon_options.py's."""
+What NorMuon computes is tests/test_normuon.py's."""
 import pytest
 import torch
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_newton_schulz

@@ -1,6 +1,6 @@
 """trainer/optim.py: parameter groups, the per-group schedule (cosine or WSD) and the optim
 group's flags; dataset/token_bytes.py and trainer/evaluate.py: bits per byte. (Muon itself is
-tests/test_muon.py's, --optimizer auto tests/test_settings.py's.)"""
+tests/test_muon.py's, --optimizer auto tests/test_config.py's.)"""
 import math
 
 import pytest
