@@ -10,7 +10,7 @@ from tests.tiny import build_tokenizer, ensure_demo_corpus
 
 
 # The files that take longest, longest first, by their tests' time in `-n 3 --durations` runs on 2 cores
-# (test_storage.py about 55 s alone, test_layers.py 13 s; test_slurm.py about 85 s where SLURM installs).
+# (test_storage.py about 80 s, test_layers.py 20 s; test_slurm.py about 85 s where SLURM installs).
 # With -n, pytest-xdist hands whole files to the workers in collection order (pytest.ini), so a long file
 # collected last would run alone at the end while the other workers sit idle.
 LONGEST_FIRST = ("test_quickstart.py", "test_fault_tolerance.py", "test_elastic.py", "test_slurm.py",
