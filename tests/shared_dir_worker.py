@@ -1,4 +1,4 @@
-"""Run trainer/checkpoint.check_output_dirs in 2 processes (torchrun, or the tests' forked
+"""Run common/storage.check_output_dirs in 2 processes (torchrun, or the tests' forked
 ranks) and record what each rank decided.
 
     torchrun --standalone --nproc_per_node=2 tests/shared_dir_worker.py ROOT
@@ -13,13 +13,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.errors import UserError  # noqa: E402
-from trainer.checkpoint import check_output_dirs  # noqa: E402
-from trainer.distributed import cleanup_distributed, init_distributed_mode  # noqa: E402
+from common.storage import check_output_dirs  # noqa: E402
+from trainer.distributed import TORCH_COLLECTIVES, cleanup_distributed, init_distributed_mode  # noqa: E402
 
 
 def decision(save_dir, checkpoint_dir, sharded):
     try:
-        check_output_dirs(str(save_dir), str(checkpoint_dir), sharded)
+        check_output_dirs(str(save_dir), str(checkpoint_dir), sharded, TORCH_COLLECTIVES)
     except UserError as exc:
         return str(exc)
     return None

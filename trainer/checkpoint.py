@@ -1,6 +1,5 @@
 """Resume checkpoints that survive kills, full disks and corrupt files: the one owner of what
-a checkpoint holds, where it lies and which one a resume takes, and of the start-up checks of
-the folders a run writes to.
+a checkpoint holds, where it lies and which one a resume takes.
 
 A checkpoint is one dict: {"format": FORMAT, "model_config": ...} plus what each part of the run
 adds (trainer/train_state.py: "model", "optimizer", "scaler", "rng", and the TrainState's
@@ -32,9 +31,6 @@ import hashlib
 import json
 import os
 import re
-import socket
-import tempfile
-import uuid
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -385,60 +381,3 @@ def check_config_matches(path: str, saved: dict, current: dict):
                 f"{key}={current.get(key)}; "
                 f"rerun with the flags it was trained with, or point --checkpoint_dir elsewhere to start fresh"
             )
-
-
-# ---------------------------------------------------------------------------- the folders, at start-up
-SHARED_MARKER = ".minimind_shared_check_"
-
-
-def check_output_dirs(save_dir: str, checkpoint_dir: str, sharded: bool, collectives=TORCH_COLLECTIVES):
-    """Create --save_dir and --checkpoint_dir and make sure they take files, on every rank
-    that writes there: rank 0 for weights, metrics and .pth checkpoints; every rank for
-    sharded (DCP) checkpoints, whose folder must also be one folder shared by all nodes.
-    Every rank calls this and all take the same decision; raises UserError on a problem.
-    Each check runs only when the ones before found nothing, on every rank alike."""
-    problem = None
-    if collectives.rank == 0:
-        problem = _writable_problem("--save_dir", save_dir) or _writable_problem("--checkpoint_dir", checkpoint_dir)
-    problem = collectives.agree(problem)
-    if sharded and not problem:
-        problem = collectives.agree(_writable_problem("--checkpoint_dir", checkpoint_dir))
-        if not problem:
-            problem = _check_shared(checkpoint_dir, collectives)
-    if problem:
-        raise UserError(problem)
-
-
-def _writable_problem(flag: str, path: str) -> str | None:
-    """Create `path` if needed and write a file in it; None if that works, else one line."""
-    try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".minimind_write_check_"):
-            pass
-    except FileExistsError:
-        return f"{flag} {path}: is a file, not a folder: pass a folder path (it is created if missing)"
-    except OSError as exc:
-        return f"{flag} {path}: cannot create or write there ({exc.strerror or type(exc).__name__}): " \
-               f"pass a folder you can write to"
-    return None
-
-
-def _check_shared(checkpoint_dir: str, collectives) -> str | None:
-    """None if every rank sees the same --checkpoint_dir, else one line saying it is not shared.
-    Rank 0 writes a marker with a fresh name (a stale one from an earlier run must not count),
-    every rank looks for it after a barrier, and the answers are combined."""
-    marker = os.path.join(checkpoint_dir, SHARED_MARKER + collectives.broadcast(uuid.uuid4().hex))
-    if collectives.rank == 0:
-        with open(marker, "w"):
-            pass
-    collectives.barrier()
-    problem = None
-    if not os.path.exists(marker):
-        problem = (f"--checkpoint_dir {checkpoint_dir}: not shared by all nodes (rank {collectives.rank} on "
-                   f"{socket.gethostname()} cannot see a file rank 0 wrote there); --parallel fsdp saves every "
-                   f"rank's shard into one folder: pass a folder on a filesystem every node mounts at the same "
-                   f"path, or use --parallel ddp")
-    problem = collectives.agree(problem)  # a gather: once it returns, every rank has looked
-    if collectives.rank == 0:
-        os.remove(marker)
-    return problem

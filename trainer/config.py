@@ -28,7 +28,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.cli import OneLineArgumentParser
+from common.cli import OneLineArgumentParser, adam_betas, at_least, auto_or, flag, number_from, share, step_window
 from common.errors import UserError
 from dataset.demo_corpus import DEMO_CORPUS
 from model.shape_flags import FLAG_DEFAULTS
@@ -47,60 +47,6 @@ LAUNCH_GROUPS = ("output", "system")
 FIXED = ("hidden_size", "num_hidden_layers", "use_moe", "vocab_size", "optimizer", "param_groups", "lr_schedule",
          "normuon")
 AUTO_FLAGS = ("dtype", "optimizer", "lr_schedule", "normuon", "muon_lr")
-
-
-# ---------------------------------------------------------------------------- flag types and checks
-def auto_or(number):
-    """The argparse type of a flag that is "auto" or a number."""
-    def parse(text: str):
-        if text == "auto":
-            return text
-        try:
-            return number(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected auto or a number, got {text!r}") from None
-    return parse
-
-
-def adam_betas(text: str) -> tuple[float, float]:
-    """--adam_betas: 'B1,B2' with 0 <= B1, B2 < 1."""
-    try:
-        betas = tuple(float(part) for part in text.split(","))
-    except ValueError:
-        betas = ()
-    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
-        raise argparse.ArgumentTypeError(f"expected two numbers in [0, 1) as B1,B2 (e.g. 0.9,0.95), got {text!r}")
-    return betas
-
-
-def step_window(text: str) -> tuple[int, int]:
-    """--profile_steps: 'A:B' -> (A, B), 1 <= A <= B."""
-    first, sep, last = text.partition(":")
-    if sep and first.isdigit() and last.isdigit() and 1 <= int(first) <= int(last):
-        return int(first), int(last)
-    raise argparse.ArgumentTypeError(f"expected A:B with 1 <= A <= B (optimizer steps, e.g. 10:12), got {text!r}")
-
-
-def at_least(low: int):
-    return lambda v: None if v >= low else f"must be at least {low}, got {v}"
-
-
-def number_from(low: float, meaning: str, *, strict: bool = False):
-    """A finite number at or (strict) above `low`; "auto" passes (resolved later)."""
-    def check(v):
-        if v == "auto" or (math.isfinite(v) and (v > low if strict else v >= low)):
-            return None
-        return f"must be a finite number {'above' if strict else 'at least'} {low:g} ({meaning}), got {v}"
-    return check
-
-
-def share(meaning: str, *, one: bool = True):
-    top = "]" if one else ")"
-    return lambda v: None if 0 <= v < 1 or (one and v == 1) else f"must be in [0, 1{top} ({meaning}), got {v}"
-
-
-def flag(default, help: str, *, type=None, choices=None, check=None):
-    return field(default=default, metadata={"help": help, "type": type, "choices": choices, "check": check})
 
 
 # ---------------------------------------------------------------------------- the groups

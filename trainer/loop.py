@@ -20,10 +20,11 @@ from typing import Callable
 import torch
 
 from common.errors import UserError, os_error_line
+from common.storage import check_output_dirs
 from dataset.lm_dataset import load_tokenizer
 from dataset.token_bytes import token_byte_lengths
 from model.model_minimind import count_parameters
-from trainer.checkpoint import CheckpointManager, check_output_dirs, newest_record
+from trainer.checkpoint import CheckpointManager, newest_record
 from trainer.config import (
     TrainConfig, check_config, legacy_record, metrics_path, parse_config, resolve_auto, resume_config, run_prefix,
     weights_path,
@@ -34,8 +35,8 @@ from trainer.data import (
 )
 from trainer.device import autocast, configure_cuda, resolve_device
 from trainer.distributed import (
-    Logger, barrier, cleanup_distributed, exit_peer_lost, fail, init_distributed_mode, is_main_process, local_state_mib,
-    peer_lost, replica_group, wrap_model,
+    TORCH_COLLECTIVES, Logger, barrier, cleanup_distributed, exit_peer_lost, fail, init_distributed_mode,
+    is_main_process, local_state_mib, peer_lost, replica_group, wrap_model,
 )
 from trainer.evaluate import encode_task, load_task, validate
 from trainer.metrics import Profiling, RunLogger, Throughput, device_peak_flops, flops_per_token
@@ -61,7 +62,7 @@ class Stage:
 def train(cfg: TrainConfig, typed: frozenset, env, stage: Stage) -> int:
     # ------------------------------------------------------------------ 1. output folders, tokenizer, model
     sharded = cfg.system.parallel == "fsdp" and env.distributed
-    check_output_dirs(cfg.output.save_dir, cfg.output.checkpoint_dir, sharded)
+    check_output_dirs(cfg.output.save_dir, cfg.output.checkpoint_dir, sharded, TORCH_COLLECTIVES)
     tokenizer = load_tokenizer(cfg.model.tokenizer_path)
     lm_config = model_config(cfg, typed)
     prefix = run_prefix(cfg.output.save_weight, lm_config.hidden_size, lm_config.use_moe)
