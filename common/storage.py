@@ -138,9 +138,9 @@ def check_output_dirs(save_dir: str, checkpoint_dir: str, sharded: bool, collect
     """Create --save_dir and --checkpoint_dir and make sure they take files, on every rank
     that writes there: rank 0 for weights, metrics and .pth checkpoints; every rank for
     sharded (DCP) checkpoints, whose folder must also be one folder shared by all nodes.
-    Every rank calls this and all take the same decision (`collectives`: trainer/distributed.py's);
-    raises UserError on a problem.
-    Each check runs only when the ones before found nothing, on every rank alike."""
+    Every rank calls this (`collectives`: trainer/distributed.py's) and all take the same
+    decision: each check runs only when the ones before found nothing, on every rank alike.
+    Raises UserError on a problem."""
     problem = None
     if collectives.rank == 0:
         problem = _writable_problem("--save_dir", save_dir) or _writable_problem("--checkpoint_dir", checkpoint_dir)
