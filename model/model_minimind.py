@@ -22,6 +22,13 @@ from .loss import causal_lm_loss
 from .moe import MoEFeedForward
 
 
+# The config fields that fix the shape of the model's tensors: weights load, and a checkpoint
+# resumes, only into a model that agrees on every one. The one list; the scripts' and the
+# trainer's shape flags are the ones of these they expose (model/shape_flags.py, trainer/config.py).
+SHAPE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+                "vocab_size", "use_moe")
+
+
 class MiniMindConfig(PretrainedConfig):
     model_type = "minimind"
 

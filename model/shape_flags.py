@@ -3,19 +3,19 @@ they mean when not given, and how given flags meet a config stored beside the we
 stored config wins, and a given flag must agree with it."""
 from common.errors import WeightsError
 
-from .model_minimind import MiniMindConfig
+from .model_minimind import SHAPE_FIELDS, MiniMindConfig
 
-# The config fields the scripts expose as --flags; everything else comes from the defaults.
-SHAPE_FLAGS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "use_moe")
-# The default model of every script, trainer/config.py included: MiniMind's own default, hidden
-# 768 x 8 layers (MiniMind-3, 64M parameters). One table, so that a default training run and
-# default script runs find each other's files.
-FLAG_DEFAULTS = {"hidden_size": 768, "num_hidden_layers": 8}
+# The shape fields the scripts take as --flags, for weights without a config beside them
+# (MiniMind's own .pth): all but the two that such weights never change, the MLP width (derived
+# from the hidden size) and the vocabulary (MiniMind's tokenizer's 6400).
+SHAPE_FLAGS = tuple(name for name in SHAPE_FIELDS if name not in ("intermediate_size", "vocab_size"))
 
 
 def flag_default(name):
-    """What a shape flag means when it is not given and no stored config decides."""
-    return int(FLAG_DEFAULTS.get(name, getattr(MiniMindConfig(), name)))
+    """What a shape flag means when it is not given and no stored config decides: MiniMindConfig's
+    default, the one owner of the default model (MiniMind's 768 x 8, 64M parameters) for the
+    trainer and every script, so that their default runs find each other's files."""
+    return int(getattr(MiniMindConfig(), name))
 
 
 def resolve_config(stored, flags, source):
@@ -23,7 +23,7 @@ def resolve_config(stored, flags, source):
     (not None) must agree with it; without a stored config the flags decide."""
     flags = {k: v for k, v in flags.items() if v is not None}
     if stored is None:
-        return MiniMindConfig(**{**FLAG_DEFAULTS, **flags})
+        return MiniMindConfig(**flags)
     config = stored if isinstance(stored, MiniMindConfig) else MiniMindConfig.from_dict(dict(stored))
     for name, value in flags.items():
         have = getattr(config, name)

@@ -1,4 +1,4 @@
-"""trainer/config.py and trainer/device.py: the typed config built from the command line, the
+"""trainer/config.py and trainer/auto.py: the typed config built from the command line, the
 one rule a resume follows, and what the auto flags become: --dtype auto and --optimizer auto on
 each kind of machine (the hardware facts passed in), the schedule, NorMuon and Muon's lr of a new
 run, and how a resume keeps its checkpoint's."""
@@ -12,11 +12,9 @@ from common.errors import UserError
 from tests.jobs import run_trainer
 from tests.run_outputs import latest_checkpoint, out_args
 from tests.tiny import TINY, ensure_demo_corpus
-from trainer import device
-from trainer.config import (
-    FIXED, TrainConfig, fresh_recipe, legacy_record, parse_config, resolve_auto, resume_config,
-)
-from trainer.device import resolve_dtype, resolve_optimizer
+from trainer import auto, device
+from trainer.auto import fresh_recipe, resolve_auto, resolve_dtype, resolve_optimizer
+from trainer.config import FIXED, TrainConfig, legacy_record, parse_config, resume_config
 from trainer.metrics import muon_flop_share
 
 AMX_XEON = frozenset({"fpu", "avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
@@ -202,7 +200,7 @@ def test_cuda_bf16_detection(monkeypatch, capability, bf16_native, expected):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: bf16_native)
     assert device.cuda_has_native_bf16(torch.device("cuda", 0)) is expected
-    assert device.detect_dtype("auto", torch.device("cuda", 0))[0] == ("bfloat16" if expected else "float16")
+    assert auto.detect_dtype("auto", torch.device("cuda", 0))[0] == ("bfloat16" if expected else "float16")
 
 
 def test_wandb_records_the_resolved_config_and_the_accumulation_global_batch_size_implies(tmp_path, monkeypatch):
@@ -293,3 +291,67 @@ def test_a_resume_with_only_from_resume_trains_on_as_the_run_started(tmp_path, r
     assert latest_checkpoint(tmp_path / "cut")["global_step"] == 6
     for key, value in whole_model.items():
         assert torch.equal(value, cut_model[key]), key
+
+
+# ---------------------------------------------------------------------------- the checks see the final config
+def _resume_with(tmp_path, stored: dict, typed_flags: list, stage=None):
+    """settle_config (trainer/loop.py) on a resume whose newest checkpoint's record stores a run of
+    `stored` flags (resolved, as a run records it), with `typed_flags` typed now. The checkpoint
+    file itself is not read before the config is settled: an empty one stands in for it."""
+    from types import SimpleNamespace
+
+    from trainer.loop import settle_config
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir(exist_ok=True)
+    flags = [*TINY, "--checkpoint_dir", str(folder), "--save_dir", str(tmp_path / "out"), "--from_resume", "1",
+             "--from_weight", "none"]
+    cfg, typed = parse_config([*flags, *typed_flags], stage)
+    base = {"dtype": "float32", "optimizer": "muon", "normuon": 1, "muon_lr": 0.01, "lr_schedule": "wsd"}
+    record = TrainConfig.of(**{**parse_config(flags, stage)[0].flags(), **base, **stored}).record()
+    checkpoint = folder / "pretrain_64_resume_step0000002.pth"
+    if stage is not None:
+        checkpoint = folder / "full_sft_64_resume_step0000002.pth"
+    checkpoint.write_bytes(b"")
+    checkpoint.with_name(checkpoint.name + ".json").write_text(json.dumps(
+        {"global_step": 2, "tokens_seen": 512, "world_size": 1, "config": record, "files": {}}))
+    env = SimpleNamespace(device=torch.device("cpu"), world_size=1, distributed=False, rank=0, local_rank=0)
+    return settle_config(cfg, typed, env)[0]
+
+
+SFT_RESUMES = [  # (stored, typed, the line's start): a conversation flag and a packed file, either way round
+    ({"data_path": "/data/sft.bin"}, ["--add_system_ratio", "0.2"], "--data_path /data/sft.bin: a packed file"),
+    ({"data_path": "/data/sft.bin"}, ["--empty_think_ratio", "0.5"], "--data_path /data/sft.bin: a packed file"),
+    ({"data_path": "/data/sft.jsonl", "add_system_ratio": 0.2}, ["--data_path", "/data/sft.bin"],
+     "--data_path /data/sft.bin: a packed file"),
+]
+PRETRAIN_RESUMES = [  # the optimizer's rules: each side is FIXED, so the typed one meets the stored one
+    ({"optimizer": "muon"}, ["--param_groups", "single"], "--param_groups single: checkpoint"),
+    ({"optimizer": "adamw", "param_groups": "single", "normuon": 0}, ["--optimizer", "muon"],
+     "--optimizer muon: checkpoint"),
+    ({"optimizer": "adamw", "normuon": 0}, ["--normuon", "1"], "--normuon 1: checkpoint"),
+    ({"optimizer": "muon", "normuon": 1}, ["--optimizer", "adamw"], "--optimizer adamw: checkpoint"),
+]
+
+
+@pytest.mark.parametrize("stored, typed, message", SFT_RESUMES + PRETRAIN_RESUMES)
+def test_a_rule_between_flags_holds_for_a_typed_flag_against_a_stored_one(tmp_path, stored, typed, message):
+    """The combination checks run on the config the resume trains with: stored values merged in.
+    Before, `--add_system_ratio 0.2` typed on a resume of a packed run passed and was ignored."""
+    from trainer.train_full_sft import SFT
+
+    stage = SFT if stored.get("data_path") else None
+    with pytest.raises(UserError) as info:
+        _resume_with(tmp_path, stored, typed, stage)
+    assert str(info.value).startswith(message) and "\n" not in str(info.value), str(info.value)
+
+
+def test_the_settled_config_is_resolved_and_checked_and_an_unresolved_one_is_refused(tmp_path):
+    from trainer.config import check_config
+    from trainer.train_full_sft import SFT
+
+    settled = _resume_with(tmp_path, {"data_path": "/data/sft.jsonl"}, ["--add_system_ratio", "0.2"], SFT)
+    assert settled.resolved and settled.chat.add_system_ratio == 0.2 and settled.data.data_path == "/data/sft.jsonl"
+    assert "auto" not in settled.flags().values()
+    with pytest.raises(ValueError, match="resolved config"):
+        check_config(parse_config([])[0])

@@ -133,12 +133,20 @@ def test_the_start_up_line_names_each_group_and_the_schedule():
 ])
 def test_a_bad_option_is_one_line_naming_its_flag(flags, message):
     from common.errors import UserError
+    from model.model_minimind import MiniMindConfig
+    from trainer.auto import resolve_auto
     from trainer.config import check_config
 
+    def settle(flags):  # the loop's settle_config, without a resume: parse, resolve auto, check
+        cfg, typed = parse_config(flags)
+        cfg = resolve_auto(cfg, dict.fromkeys(typed, "typed"), torch.device("cpu"), False,
+                           MiniMindConfig(hidden_size=64, num_hidden_layers=2), 4 * 64)
+        check_config(cfg)
+
     with pytest.raises(UserError) as info:
-        check_config(parse_config(flags)[0])
+        settle(flags)
     assert str(info.value).startswith(message) and "\n" not in str(info.value)
-    check_config(parse_config(["--optimizer", "adamw", "--lr_schedule", "wsd"])[0])  # what adamw can use passes
+    settle(["--optimizer", "adamw", "--lr_schedule", "wsd"])  # what adamw can use passes
 
 
 # ---------------------------------------------------------------------------- bits per byte

@@ -38,14 +38,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from common.errors import StorageError, UserError, free_bytes, os_error_of, size_text, storage_error
 from common.storage import atomic_torch_save, atomic_write_text, remove_quietly
+from model.model_minimind import SHAPE_FIELDS
 from trainer.distributed import TORCH_COLLECTIVES, Logger
 from trainer.train_state import ModelState, TrainState, write_weights
 
 FORMAT = "minimind-resume-v1"
 TRAINER_STATE = "trainer_state.pt"
-# Architecture fields a resumed run must agree on.
-CONFIG_KEYS = ("hidden_size", "num_hidden_layers", "use_moe", "vocab_size",
-               "num_attention_heads", "num_key_value_heads", "intermediate_size")
 # What a failed save's line says to do, besides freeing space.
 AFTER_A_FAILED_SAVE = dict(elsewhere="lower --keep_last or pass another --checkpoint_dir",
                            then=", then relaunch with --from_resume 1: the checkpoints before this one are intact")
@@ -374,7 +372,7 @@ def verify_checkpoint(path: str, needs=(), weight_keys=ModelState.keys) -> dict:
 
 
 def check_config_matches(path: str, saved: dict, current: dict):
-    for key in CONFIG_KEYS:
+    for key in SHAPE_FIELDS:
         if saved.get(key) != current.get(key):
             raise UserError(
                 f"checkpoint {path} was saved with {key}={saved.get(key)}, but the flags give "

@@ -12,8 +12,10 @@ nowhere else. A stage changes defaults through one table (train_full_sft.py's SF
     chat     fine-tuning's conversation flags (train_full_sft.py only)  the run's
 
 Five flags may be `auto` (--dtype, --optimizer, --lr_schedule, --normuon, --muon_lr). They are
-decided once at start-up (resolve_auto), each logged with its reason, and the resolved config
-is stored whole in every checkpoint's record (trainer/checkpoint.py).
+decided once at start-up (trainer/auto.py's resolve_auto, which marks the config `resolved`),
+each logged with its reason, and the resolved config is stored whole in every checkpoint's
+record (trainer/checkpoint.py). The checks (check_config) run on that final config: the one a
+resume merged and auto resolved, the one the run trains with.
 
 A resume follows one rule (resume_config): the run's groups come from the checkpoint's stored
 config, and a flag typed on this command line changes them, except that a typed value the
@@ -27,14 +29,13 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from common.cli import OneLineArgumentParser, adam_betas, at_least, auto_or, flag, number_from, share, step_window
 from common.errors import UserError
 from dataset.demo_corpus import DEMO_CORPUS
-from model.shape_flags import FLAG_DEFAULTS
-from trainer.device import detect_dtype, detect_optimizer
-from trainer.distributed import Logger
-from trainer.metrics import muon_flop_share
+from model.model_minimind import SHAPE_FIELDS
+from model.shape_flags import flag_default
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # MiniMind's own flags (its trainer/train_pretrain.py): a public interface, same names, same meanings.
@@ -43,10 +44,6 @@ MINIMIND_FLAGS = ("save_dir", "save_weight", "epochs", "batch_size", "learning_r
                   "num_hidden_layers", "max_seq_len", "use_moe", "data_path", "from_weight", "from_resume",
                   "use_wandb", "wandb_project", "use_compile")
 LAUNCH_GROUPS = ("output", "system")
-# What a resume may not change: the shapes the checkpoint's tensors and schedule were made for.
-FIXED = ("hidden_size", "num_hidden_layers", "use_moe", "vocab_size", "optimizer", "param_groups", "lr_schedule",
-         "normuon")
-AUTO_FLAGS = ("dtype", "optimizer", "lr_schedule", "normuon", "muon_lr")
 
 
 # ---------------------------------------------------------------------------- the groups
@@ -89,10 +86,10 @@ class OptimConfig:
                           "norms; adamw: AdamW on everything; auto: muon where its Newton-Schulz runs in a native "
                           "precision and adds at most 75%% to a step's FLOPs (docs/performance.md), else adamw",
                           choices=("auto", "adamw", "muon"))
-    muon_lr: float = flag("auto", "Muon's peak lr; auto: 0.01 up to hidden 256, 0.02 from 512, linear between "
+    muon_lr: float | Literal["auto"] = flag("auto", "Muon's peak lr; auto: 0.01 up to hidden 256, 0.02 from 512, linear between "
                           "(docs/time-to-quality.md)", type=auto_or(float),
                           check=number_from(0, "Muon's peak learning rate, e.g. 0.01", strict=True))
-    normuon: int = flag("auto", "1: NorMuon, each row of Muon's update divided by the root of its running mean "
+    normuon: int | Literal["auto"] = flag("auto", "1: NorMuon, each row of Muon's update divided by the root of its running mean "
                         "square, then rescaled to the update's norm; auto: 1 with Muon", type=auto_or(int),
                         choices=("auto", 0, 1))
     param_groups: str = flag("split", "split: no weight decay on norms and other 1-D params; single: MiniMind's "
@@ -112,12 +109,12 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    hidden_size: int = flag(FLAG_DEFAULTS["hidden_size"], "model width (8 heads)",
+    hidden_size: int = flag(flag_default("hidden_size"), "model width (8 heads)",
                             check=lambda v: at_least(8)(v) or (None if v % 8 == 0 else
                                                                f"must be a multiple of 8 (8 attention heads), got {v}"))
-    num_hidden_layers: int = flag(FLAG_DEFAULTS["num_hidden_layers"], "blocks", check=at_least(1))
+    num_hidden_layers: int = flag(flag_default("num_hidden_layers"), "blocks", check=at_least(1))
     max_seq_len: int = flag(340, "tokens per sample (a padded line or a packed window)", check=at_least(2))
-    vocab_size: int = flag(6400, "the model's embedding rows (>= the tokenizer's)", check=at_least(1))
+    vocab_size: int = flag(flag_default("vocab_size"), "the model's embedding rows (>= the tokenizer's)", check=at_least(1))
     use_moe: int = flag(0, "1: mixture-of-experts feed-forward blocks", choices=(0, 1))
     from_weight: str = flag("none", "initial weights: a name, as MiniMind's (pretrain: {save_dir}/pretrain_{hidden}"
                             "[_moe].pth), a .pth, .safetensors or resume checkpoint, or none (from scratch)")
@@ -178,6 +175,11 @@ class ChatConfig:
 GROUPS = {"output": OutputConfig, "optim": OptimConfig, "model": ModelConfig, "data": DataConfig,
           "system": SystemConfig, "chat": ChatConfig}
 GROUP_OF = {f.name: group for group, cls in GROUPS.items() for f in dataclasses.fields(cls)}
+# The model's shape fields (model/model_minimind.py) that the trainer takes as flags; the others
+# follow from them.
+MODEL_SHAPE_FLAGS = tuple(name for name in SHAPE_FIELDS if GROUP_OF.get(name) == "model")
+# What a resume may not change: the shapes the checkpoint's tensors and schedule were made for.
+FIXED = (*MODEL_SHAPE_FLAGS, "optimizer", "param_groups", "lr_schedule", "normuon")
 
 
 @dataclass(frozen=True)
@@ -188,6 +190,9 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     system: SystemConfig = field(default_factory=SystemConfig)
     chat: ChatConfig = field(default_factory=ChatConfig)
+    # Set by trainer/auto.py's resolve_auto: no flag is "auto" any more, and the checks have the
+    # values the run trains with. The parser's config is unresolved.
+    resolved: bool = False
 
     @classmethod
     def of(cls, **values) -> "TrainConfig":
@@ -257,20 +262,32 @@ def shown(value) -> str:
 
 
 def parse_config(argv=None, stage=None) -> tuple[TrainConfig, frozenset]:
-    """(the config, the names of the flags the command line typed)."""
+    """(the config, the names of the flags the command line typed). A typed value out of its
+    flag's range stops here, before any process group or file exists."""
     typed = vars(build_parser(stage).parse_args(argv))
     defaults = {f.name: default for _, f, default in stage_fields(stage)}
-    return TrainConfig.of(**{**defaults, **typed}), frozenset(typed)
+    cfg = TrainConfig.of(**{**defaults, **typed})
+    check_ranges(cfg)
+    return cfg, frozenset(typed)
 
 
-def check_config(cfg: TrainConfig, cuda: bool = False):
-    """Each flag's own range, and the combinations no run can train with: one line, before any
-    work. cuda: whether the run's device, resolved by trainer/device.py, is a GPU."""
+def check_ranges(cfg: TrainConfig):
+    """Each flag's own range (its field's `check`), in one line."""
     for group in GROUPS:
         for f in dataclasses.fields(GROUPS[group]):
             problem = f.metadata["check"] and f.metadata["check"](getattr(getattr(cfg, group), f.name))
             if problem:
                 raise UserError(f"--{f.name} {problem}")
+
+
+def check_config(cfg: TrainConfig, cuda: bool = False):
+    """The config a run trains with, whole: each flag's range, and the combinations no run can
+    train with; one line, before any work. `cfg` is final: what a resume merged from its
+    checkpoint and auto resolved (trainer/loop.py's settle_config), so a rule sees a stored value
+    beside a typed one. cuda: whether the run's device (trainer/device.py) is a GPU."""
+    if not cfg.resolved:
+        raise ValueError("check_config takes the resolved config (trainer/auto.py's resolve_auto)")
+    check_ranges(cfg)
     name = cfg.output.save_weight
     if not name or set(name) & {"/", "\\"} or name in (".", ".."):
         raise UserError(f"--save_weight {name!r} is a file name prefix, not a path: pass a plain name such as "
@@ -335,41 +352,6 @@ def legacy_record(record: dict) -> dict:
     return {"optim": recorded} if recorded else {}
 
 
-# ---------------------------------------------------------------------------- auto, decided once
-def fresh_recipe(hidden_size: int) -> dict:
-    """A new run's schedule, NorMuon and Muon lr under auto: what beat the older defaults over 3
-    seeds (docs/time-to-quality.md). Muon's lr follows the width: 0.01 ended lower than 0.02 at
-    hidden 256 and higher at 512, so 0.01 up to 256, 0.02 from 512, and a straight line between."""
-    muon_lr = 0.02 * min(1.0, max(0.5, hidden_size / 512))
-    return {"lr_schedule": "wsd", "normuon": 1, "muon_lr": round(muon_lr, 6)}
-
-
-def resolve_auto(cfg: TrainConfig, origin: dict, device, sharded: bool, lm_config,
-                 tokens_per_step: int) -> TrainConfig:
-    """The config with every auto flag decided, each logged once with its reason. origin: where
-    each flag's value came from (resume_config's; a flag missing there is a default)."""
-    why = {"typed": "--{}", "stored": "the checkpoint's", "default": "this stage's default"}
-    reasons = {name: why[origin.get(name, "default")].format(name) for name in AUTO_FLAGS}
-    values = {}
-    values["dtype"], reasons["dtype"] = detect_dtype(cfg.system.dtype, device, sharded)
-    optimizer = cfg.optim.optimizer
-    if optimizer == "auto":
-        share = muon_flop_share(lm_config, tokens_per_step, cfg.model.max_seq_len)
-        optimizer, reasons["optimizer"] = detect_optimizer(device, values["dtype"], cfg.optim.param_groups, share)
-    values["optimizer"] = optimizer
-    fresh = fresh_recipe(lm_config.hidden_size)
-    for name in ("lr_schedule", "normuon", "muon_lr"):
-        values[name] = getattr(cfg.optim, name)
-        if values[name] == "auto":
-            values[name] = fresh[name]
-            reasons[name] = f"auto: a new run's default at hidden {lm_config.hidden_size} (docs/time-to-quality.md)"
-    if optimizer != "muon" and values["normuon"]:
-        values["normuon"], reasons["normuon"] = 0, f"--optimizer {optimizer}: NorMuon is Muon's"
-    for name in AUTO_FLAGS:
-        Logger(f"{name}: {values[name]} ({reasons[name]})")
-    return cfg.replace(**values)
-
-
 # ---------------------------------------------------------------------------- where a run's files go
 def run_prefix(save_weight: str, hidden_size: int, use_moe) -> str:
     """The name of a run's files: `{save_weight}_{hidden}[_moe]` + .pth, .json, _metrics.jsonl, _resume..."""
@@ -389,4 +371,4 @@ def metrics_path(save_dir, prefix: str) -> str:
 def default_weight_path(save_dir, hidden_size=None, use_moe=None, save_weight="pretrain") -> Path:
     """Where a default training run with these shape flags left its weights (what the scripts
     read when given no --weight_path)."""
-    return Path(weights_path(save_dir, run_prefix(save_weight, hidden_size or FLAG_DEFAULTS["hidden_size"], use_moe)))
+    return Path(weights_path(save_dir, run_prefix(save_weight, hidden_size or flag_default("hidden_size"), use_moe)))

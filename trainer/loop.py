@@ -25,8 +25,9 @@ from dataset.lm_dataset import load_tokenizer
 from dataset.token_bytes import token_byte_lengths
 from model.model_minimind import count_parameters
 from trainer.checkpoint import CheckpointManager, newest_record
+from trainer.auto import resolve_auto
 from trainer.config import (
-    TrainConfig, check_config, legacy_record, metrics_path, parse_config, resolve_auto, resume_config, run_prefix,
+    PRETRAIN_GROUPS, TrainConfig, check_config, legacy_record, metrics_path, parse_config, resume_config, run_prefix,
     weights_path,
 )
 from trainer.data import (
@@ -42,7 +43,7 @@ from trainer.evaluate import encode_task, load_task, validate
 from trainer.metrics import Profiling, RunLogger, Throughput, device_peak_flops, flops_per_token
 from trainer.optim import build_optimizer, describe, set_lr
 from trainer.step import Requests, StepTotals, TrainParts, optimizer_step
-from trainer.train_state import ModelState, RNGState, ScalerState, TrainState, plan_steps
+from trainer.train_state import ModelState, RNGState, ScalerState, TrainState, global_batch, plan_steps
 from trainer.trainer_utils import init_model, initial_weights, model_config, setup_seed, zero_output_projections
 
 
@@ -53,34 +54,28 @@ class Stage:
     build_data: Callable[..., TrainData]  # (config, tokenizer, vocab_size) -> its samples
     demo_data: Path  # the default --data_path, built on first use by build_demo(path)
     build_demo: Callable[[Path], object]
-    groups: tuple = ("output", "optim", "model", "data", "system")  # its flags (trainer/config.py)
+    groups: tuple = PRETRAIN_GROUPS  # its flags' groups (trainer/config.py)
     defaults: dict = field(default_factory=dict)  # flag defaults other than pre-training's
     help: dict = field(default_factory=dict)  # --help texts other than pre-training's, by flag
     chat: bool = False  # the model it trains answers in turns: --eval_task asks it so (trainer/evaluate.py)
 
 
 def train(cfg: TrainConfig, typed: frozenset, env, stage: Stage) -> int:
-    # ------------------------------------------------------------------ 1. output folders, tokenizer, model
+    # ------------------------------------------------------------------ 1. the config the run trains with
+    cfg, lm_config = settle_config(cfg, typed, env)
     sharded = cfg.system.parallel == "fsdp" and env.distributed
+    prefix = run_prefix(cfg.output.save_weight, lm_config.hidden_size, lm_config.use_moe)
+    configure_cuda(env.device, getattr(torch, cfg.system.dtype))
+
+    # ------------------------------------------------------------------ 2. output folders, tokenizer, data
     check_output_dirs(cfg.output.save_dir, cfg.output.checkpoint_dir, sharded, TORCH_COLLECTIVES)
     tokenizer = load_tokenizer(cfg.model.tokenizer_path)
-    lm_config = model_config(cfg, typed)
-    prefix = run_prefix(cfg.output.save_weight, lm_config.hidden_size, lm_config.use_moe)
-
-    # ------------------------------------------------------------------ 2. the resumed config, data, auto
-    origin = dict.fromkeys(typed, "typed")
-    if cfg.output.from_resume:  # the same flag on every rank: all join newest_record()'s broadcast, or none does
-        record = newest_record(cfg.output.checkpoint_dir, prefix)
-        cfg, origin = resume_config(cfg, typed, legacy_record(record), f"checkpoint {record.get('path')}")
-        lm_config = model_config(cfg, typed)
     check_model_fits(cfg, tokenizer, lm_config)
     ensure_data(cfg, env.local_rank, stage)
     data = stage.build_data(cfg, tokenizer, lm_config.vocab_size)
     # A bad task file stops here. A chat model's stage asks the task's questions as chat turns.
     task = encode_task(tokenizer, load_task(cfg.data.eval_task), chat=stage.chat) if cfg.data.eval_task else None
     plan = plan_steps(cfg.optim, cfg.data.data_path, len(data.train), env.world_size)
-    cfg = resolve_auto(cfg, origin, env.device, sharded, lm_config, plan.samples_per_step * cfg.model.max_seq_len)
-    configure_cuda(env.device, getattr(torch, cfg.system.dtype))
 
     # ------------------------------------------------------------------ 3. model, parallelism, optimizer
     parts = build_parts(cfg, env, lm_config, initial_weights(cfg), tokenizer.bos_token_id, data.packed)
@@ -184,6 +179,25 @@ def train(cfg: TrainConfig, typed: frozenset, env, stage: Stage) -> int:
 
 
 # ---------------------------------------------------------------------------- the pieces train() calls
+def settle_config(cfg: TrainConfig, typed: frozenset, env) -> tuple:
+    """(the config the run trains with, its model's MiniMindConfig): a resume's stored values
+    merged in (trainer/config.py's resume_config), every auto decided (trainer/auto.py), and the
+    whole checked, before any work. Every rank reads the same record (a broadcast) and decides
+    alike, so a bad combination stops every rank with the same line."""
+    lm_config = model_config(cfg, typed)
+    origin = dict.fromkeys(typed, "typed")
+    if cfg.output.from_resume:  # the same flag on every rank: all join newest_record()'s broadcast, or none does
+        prefix = run_prefix(cfg.output.save_weight, lm_config.hidden_size, lm_config.use_moe)
+        record = newest_record(cfg.output.checkpoint_dir, prefix)
+        cfg, origin = resume_config(cfg, typed, legacy_record(record), f"checkpoint {record.get('path')}")
+        lm_config = model_config(cfg, typed)
+    sharded = cfg.system.parallel == "fsdp" and env.distributed
+    tokens_per_step = global_batch(cfg.optim, env.world_size) * cfg.model.max_seq_len
+    cfg = resolve_auto(cfg, origin, env.device, sharded, lm_config, tokens_per_step)
+    check_config(cfg, cuda=env.device.type == "cuda")
+    return cfg, lm_config
+
+
 def check_model_fits(cfg: TrainConfig, tokenizer, lm_config):
     if len(tokenizer) > lm_config.vocab_size:
         raise UserError(f"--tokenizer_path {cfg.model.tokenizer_path} has {len(tokenizer)} tokens but the model's "
@@ -328,11 +342,11 @@ class PreemptionFlag:
 
 # ---------------------------------------------------------------------------- the entry point
 def run(stage: Stage, argv=None):
-    cfg, typed = parse_config(argv, stage)
     try:
         # Flags and device alone, before any process group: every rank stops the same way, at once.
+        # (The combinations are checked once the config is final: settle_config.)
+        cfg, typed = parse_config(argv, stage)
         device = resolve_device(cfg.system.device, cfg.system.local_rank)
-        check_config(cfg, cuda=device.type == "cuda")
         check_worker_tmpdir(cfg.system.num_workers)
     except UserError as exc:
         fail(str(exc))

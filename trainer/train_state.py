@@ -64,16 +64,26 @@ class DataPosition:
     sampler_start: int  # positions of each rank's share of the epoch already consumed
 
 
+def accumulation_steps(optim, world_size: int) -> int:
+    """Micro-batches per optimizer step: --accumulation_steps, or what --global_batch_size implies."""
+    if not optim.global_batch_size:
+        return optim.accumulation_steps
+    per_micro_step = optim.batch_size * world_size
+    if optim.global_batch_size % per_micro_step:
+        raise UserError(f"--global_batch_size {optim.global_batch_size} is not a multiple of --batch_size "
+                        f"{optim.batch_size} x {world_size} processes = {per_micro_step}")
+    return optim.global_batch_size // per_micro_step
+
+
+def global_batch(optim, world_size: int) -> int:
+    """Samples per optimizer step over all ranks: micro-batch x world size x accumulation."""
+    return optim.batch_size * world_size * accumulation_steps(optim, world_size)
+
+
 def plan_steps(optim, data_path: str, num_samples: int, world_size: int) -> StepPlan:
     """How many samples an optimizer step takes, and how many steps the run makes, from the
     config's optim group. --global_batch_size, when given, decides the accumulation steps."""
-    batch, accum = optim.batch_size, optim.accumulation_steps
-    if optim.global_batch_size:
-        per_micro_step = batch * world_size
-        if optim.global_batch_size % per_micro_step:
-            raise UserError(f"--global_batch_size {optim.global_batch_size} is not a multiple of --batch_size "
-                            f"{batch} x {world_size} processes = {per_micro_step}")
-        accum = optim.global_batch_size // per_micro_step
+    batch, accum = optim.batch_size, accumulation_steps(optim, world_size)
     samples_per_step = batch * world_size * accum
     steps_per_epoch = num_samples // samples_per_step
     if steps_per_epoch == 0:

@@ -18,7 +18,7 @@ from model.model_minimind import MiniMindConfig, MiniMindForCausalLM, count_para
 from model.shape_flags import resolve_config
 from model.weights import build_model, load_weights, read_sidecar
 from trainer.checkpoint import CheckpointManager
-from trainer.config import run_prefix, weights_path
+from trainer.config import MODEL_SHAPE_FLAGS, run_prefix, weights_path
 from trainer.distributed import Logger, init_distributed_mode, is_main_process
 from trainer.optim import get_lr
 from trainer.train_state import ModelState
@@ -26,7 +26,6 @@ from trainer.train_state import ModelState
 __all__ = ["get_lr", "Logger", "is_main_process", "init_distributed_mode", "setup_seed", "init_model",
            "initial_weights", "model_config", "zero_output_projections", "lm_checkpoint"]
 
-SHAPE_FLAGS = ("hidden_size", "num_hidden_layers", "use_moe", "vocab_size")  # the model group's shape flags
 WEIGHT_SUFFIXES = (".pth", ".safetensors")
 
 
@@ -57,14 +56,14 @@ def setup_seed(seed: int):
         torch.cuda.manual_seed_all(seed)
 
 
-def model_config(cfg, typed=frozenset(SHAPE_FLAGS)) -> MiniMindConfig:
+def model_config(cfg, typed=frozenset(MODEL_SHAPE_FLAGS)) -> MiniMindConfig:
     """The model the config describes, or the config stored beside the weights --from_weight
     names (x.pth -> x.json), which decides the shape flags not typed (`typed`: the flags the
     command line gave); typed ones must agree with it."""
     from_weight = initial_weights(cfg)
     stored = read_sidecar(from_weight) if from_weight else None  # raises WeightsError, a UserError
     if stored is not None:
-        given = {name: getattr(cfg.model, name) if name in typed else None for name in SHAPE_FLAGS}
+        given = {name: getattr(cfg.model, name) if name in typed else None for name in MODEL_SHAPE_FLAGS}
         config = resolve_config(stored, given, f"--from_weight {from_weight}")
         config.flash_attn = True
         return config
