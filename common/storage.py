@@ -75,18 +75,21 @@ class _HashingFile:
 
 
 def atomic_write(path, write, what: str, mode: str = "wb", shared: bool = False, needed: int | None = None,
-                 elsewhere: str = "write elsewhere", then: str = ""):
+                 elsewhere: str = "write elsewhere", then: str = "", publish: bool = True):
     """Call write(f) on a temp file beside `path`, fsync it, then rename it over `path`; returns
     what write returned. On failure the temp file is gone and StorageError says so in one line.
     `shared`: processes on several machines may write `path` at once, so each writes a temp
-    file of its own, named after its host and pid, and the renames cannot interleave."""
+    file of its own, named after its host and pid, and the renames cannot interleave.
+    publish=False leaves the finished file at `path`.tmp for the caller to rename once what must
+    precede it is written (a checkpoint waits for its record)."""
     tmp = f"{path}.{os.uname().nodename}.{os.getpid()}.tmp" if shared else f"{path}.tmp"
     try:
         with open(tmp, mode) as f:
             result = write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        if publish:
+            os.replace(tmp, path)
         return result
     except (OSError, RuntimeError) as exc:
         remove_quietly(tmp)
@@ -96,8 +99,10 @@ def atomic_write(path, write, what: str, mode: str = "wb", shared: bool = False,
         raise storage_error(cause, what, path, needed, elsewhere, then) from None
 
 
-def atomic_torch_save(obj, path, what: str = "the file", elsewhere: str = "write elsewhere", then: str = "") -> dict:
-    """torch.save `obj` to `path` atomically. Returns the file's {size, sha256}, hashed as written."""
+def atomic_torch_save(obj, path, what: str = "the file", elsewhere: str = "write elsewhere", then: str = "",
+                      publish: bool = True) -> dict:
+    """torch.save `obj` to `path` atomically (publish: atomic_write's). Returns the file's {size,
+    sha256}, hashed as written."""
 
     def write(f):
         hashing = _HashingFile(f)
@@ -108,7 +113,7 @@ def atomic_torch_save(obj, path, what: str = "the file", elsewhere: str = "write
             raise
         return hashing.record()
 
-    return atomic_write(path, write, what, needed=tensor_bytes(obj), elsewhere=elsewhere, then=then)
+    return atomic_write(path, write, what, needed=tensor_bytes(obj), elsewhere=elsewhere, then=then, publish=publish)
 
 
 def atomic_write_bytes(path, data: bytes, what: str = "the file", elsewhere: str = "write elsewhere"):

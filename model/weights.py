@@ -10,6 +10,7 @@ All of it lives here so that scripts/convert_model.py, scripts/eval_llm.py and t
 tests accept the same files and reject bad ones with the same one-line messages.
 """
 import json
+import os
 import pickle
 import re
 from pathlib import Path
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 
 from common.errors import WeightsError
+from common.storage import atomic_torch_save, atomic_write_text
 
 from .hf_format import hf_to_state_dict, read_safetensors_file, split_fused_experts
 from .model_minimind import MiniMindConfig, MiniMindForCausalLM
@@ -74,6 +76,16 @@ def sidecar_path(weight_path):
 def sidecar_text(config):
     """What the trainer writes to sidecar_path: the whole config, as JSON."""
     return json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n"
+
+
+def write_weights(weights: dict, config, path, elsewhere: str = "write elsewhere", then: str = ""):
+    """MiniMind's inference format: a half-precision state_dict at `path` (x.pth), written
+    atomically, with the model config beside it (x.json), so that the scripts need no shape
+    flags. A failed write is one line (common/storage.py): `elsewhere` and `then` say what to do."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    atomic_torch_save({k: v.half() for k, v in weights.items()}, path, "the weights", elsewhere, then)
+    atomic_write_text(sidecar_path(path), sidecar_text(config), "the weights' config", elsewhere=elsewhere,
+                      then=then)
 
 
 def read_sidecar(weight_path):

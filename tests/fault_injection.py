@@ -7,10 +7,14 @@ environment the test gives its run plans it:
                                 raise - raise RuntimeError before step k
                                 nan   - make its loss NaN at step k
                                 nan_forever - make its loss NaN from step k on
+                                kill_in_save - SIGKILL itself inside the save of step k, once
+                                        MINIMIND_FAULT_SAVE_POINT=p of its renames are done (0: at
+                                        the first, before it; every finished file of a save is
+                                        renamed into place, so these are all the points it can stop at)
 
-The trainer has no hooks for this: install() wraps two of its functions in the process it
-runs in, the loop's set_lr (called once before every optimizer step, with the step) and the
-model's loss. A run reaches install() whatever its launch: a launched process through
+The trainer has no hooks for this: install() wraps its functions in the process it runs in: the
+loop's set_lr (called once before every optimizer step, with the step), the model's loss, and
+for a save, the checkpoint manager's save and os.replace. A run reaches install() whatever its launch: a launched process through
 tests/inject/sitecustomize.py (fault_env puts that folder first on PYTHONPATH), a forked
 rank (tests/forked_ranks.py) and an in-process run (tests/jobs.py) by calling it. A fault
 fires only in the first attempt of a torchrun group (TORCHELASTIC_RESTART_COUNT 0 or
@@ -28,10 +32,10 @@ from pathlib import Path
 INJECT_DIR = Path(__file__).resolve().parent / "inject"
 
 
-def fault_env(kind: str, at: int, rank: int = 0) -> dict:
+def fault_env(kind: str, at: int, rank: int = 0, save_point: int = 0) -> dict:
     """The environment that makes rank `rank` misbehave (`kind`) at step `at`."""
     return {**fault_env_base(), "MINIMIND_FAULT_AT_STEP": str(at), "MINIMIND_FAULT_RANK": str(rank),
-            "MINIMIND_FAULT_KIND": kind}
+            "MINIMIND_FAULT_KIND": kind, "MINIMIND_FAULT_SAVE_POINT": str(save_point)}
 
 
 @dataclass
@@ -41,6 +45,8 @@ class FaultPlan:
     kind: str | None = None  # None: no fault for this rank in this attempt
     at_step: int = 0
     poisoned: bool = False  # this step's loss is to be NaN
+    save_point: int = 0  # kill_in_save: renames of the save to let through
+    renames_left: int | None = None  # counting down inside the save to kill in
 
     @classmethod
     def from_env(cls, environ=os.environ) -> "FaultPlan":
@@ -50,7 +56,8 @@ class FaultPlan:
             return cls(rank)
         if rank != int(environ.get("MINIMIND_FAULT_RANK", "0")):
             return cls(rank)
-        return cls(rank, environ.get("MINIMIND_FAULT_KIND", "kill"), int(at))
+        return cls(rank, environ.get("MINIMIND_FAULT_KIND", "kill"), int(at),
+                   save_point=int(environ.get("MINIMIND_FAULT_SAVE_POINT", "0")))
 
     def fires(self, global_step: int, kinds) -> bool:
         if self.kind not in kinds:
@@ -65,13 +72,35 @@ class FaultPlan:
             raise RuntimeError(f"[fault injection] rank {self.rank} raises at step {global_step}")
         self.poisoned = self.fires(global_step, ("nan", "nan_forever"))
 
+    def before_rename(self):
+        """Inside the save to kill in: let save_point renames through, then SIGKILL."""
+        if self.renames_left == 0:
+            print(f"[fault injection] rank {self.rank} SIGKILLs itself in a save after {self.save_point} "
+                  f"renames", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.renames_left is not None:
+            self.renames_left -= 1
+
 
 def install(plan: FaultPlan):
-    """Wrap the loop's set_lr and the model's loss to carry out `plan`; returns the undo."""
+    """Wrap the loop's set_lr, the model's loss and a save's renames to carry out `plan`; returns the undo."""
     import model.model_minimind as model_module
     import trainer.loop as loop
+    from trainer.checkpoint import CheckpointManager
 
     set_lr, loss = loop.set_lr, model_module.causal_lm_loss
+    save, replace = CheckpointManager.save, os.replace
+
+    def save_to_kill_in(manager, global_step):
+        if plan.fires(global_step, ("kill_in_save",)):
+            plan.renames_left = plan.save_point
+        return save(manager, global_step)
+
+    def replace_or_kill(src, dst, **kwargs):
+        plan.before_rename()
+        return replace(src, dst, **kwargs)
+
+    CheckpointManager.save, os.replace = save_to_kill_in, replace_or_kill
 
     def set_lr_then_fault(optimizer, optim, step, total_steps):
         plan.before_step(step)
@@ -85,6 +114,7 @@ def install(plan: FaultPlan):
 
     def undo():
         loop.set_lr, model_module.causal_lm_loss = set_lr, loss
+        CheckpointManager.save, os.replace = save, replace
     return undo
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.assertions import error_lines, outputs_digest
+from tests.assertions import assert_bitwise_equal, error_lines, outputs_digest
 from tests.jobs import run_trainer
-from tests.run_outputs import checkpoint_name, checkpoint_path, latest_link_name, out_args
+from tests.run_outputs import checkpoint_name, checkpoint_path, latest_checkpoint, latest_link_name, out_args
 from tests.tiny import TINY
 from trainer.checkpoint import verify_checkpoint
 
@@ -163,3 +163,60 @@ def test_resume_with_another_model_config_names_both_values(attempts, scenario, 
     assert saved in line and given in line and "pretrain_64_resume_step" in line, line
     assert "Traceback" not in result.stdout
     assert outputs_digest(run) == before
+
+
+# ---------------------------------------------------------------------------- a kill at each point of a save
+# A save's renames, in order: the inference weights, their config, the checkpoint's record, the
+# checkpoint itself (visible from here on), the link. Killed before the 4th, the run resumes from
+# the save before (or, in its first save, starts afresh); from the 4th on, from this one. Never
+# refused, never a fallback further back.
+SAVE_RENAMES, VISIBLE_FROM = 5, 4
+KILLS = [(step, point) for step in (2, 4) for point in range(SAVE_RENAMES + 1)]  # the first save, and a later one
+
+
+@pytest.fixture(scope="module")
+def killed_saves(tmp_path_factory):
+    """An uninterrupted run, and one run killed inside its step-2 or step-4 save at each rename
+    point, then resumed: {(step, point): (killed, what its folder held then, resumed, run_dir)}, and
+    the uninterrupted run's final checkpoint."""
+    from tests.fault_injection import fault_env
+    from tests.jobs import JobSpec, run_all
+    from tests.tiny import ensure_demo_corpus
+
+    ensure_demo_corpus()
+    root = tmp_path_factory.mktemp("killed_saves")
+    args = [*TINY, "--save_interval", "2", "--max_steps", "6"]
+    run_dir = {kill: root / f"step{kill[0]}-point{kill[1]}" for kill in KILLS}
+    jobs = {"uninterrupted": JobSpec([*args, *out_args(root / "uninterrupted")], root / "uninterrupted",
+                                     mode="forked")}
+    jobs.update({(step, point): JobSpec([*args, *out_args(run)], run, mode="forked",
+                                        env=fault_env("kill_in_save", at=step, save_point=point))
+                 for (step, point), run in run_dir.items()})
+    killed = run_all(jobs, timeout=180)
+    held = {kill: sorted(p.name for p in (run / "ckpt").iterdir()) for kill, run in run_dir.items()}
+    resumed = run_all({kill: JobSpec([*args, *out_args(run), "--from_resume", "1"], run.with_name(run.name + "-on"),
+                                     mode="forked") for kill, run in run_dir.items()}, timeout=180)
+    final = latest_checkpoint(root / "uninterrupted")
+    return {kill: (killed[kill], held[kill], resumed[kill], run) for kill, run in run_dir.items()}, final
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("step, point", KILLS)
+def test_a_kill_at_any_point_of_a_save_leaves_the_previous_state_or_the_new_one(killed_saves, step, point):
+    runs, uninterrupted = killed_saves
+    killed, held, resumed, run = runs[step, point]
+    assert killed.returncode not in (0, None), killed.stdout[-2000:]
+    assert f"SIGKILLs itself in a save after {point} renames" in killed.stdout
+    unrecorded = [name for name in held if name.endswith(".pth") and f"{name}.json" not in held
+                  and not os.path.islink(run / "ckpt" / name)]
+    assert not unrecorded, f"a checkpoint was visible before its record: {held}"
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert not skip_lines(resumed.stdout), "a checkpoint was refused"
+    previous = step - 2 or None  # the first save has none before it: the run starts afresh
+    assert resumed_from(resumed.stdout) == (step if point >= VISIBLE_FROM else previous)
+    final = latest_checkpoint(run)
+    assert final["global_step"] == 6 and final["tokens_seen"] == uninterrupted["tokens_seen"]
+    assert_bitwise_equal(final["model"], uninterrupted["model"])
+    leftovers = [p.name for p in (run / "ckpt").iterdir() if p.name.endswith(".tmp") or
+                 (p.name.endswith(".pth.json") and not (run / "ckpt" / p.name[:-5]).exists())]
+    assert not leftovers, leftovers  # what the killed save left, start-up removed

@@ -21,7 +21,7 @@ from tests.jobs import run_trainer
 from tests.run_outputs import out_args
 from tests.tiny import TINY, ensure_demo_corpus
 from trainer.config import parse_config
-from trainer.train_state import export_weights
+from model.weights import write_weights
 from trainer.trainer_utils import init_model, model_config
 
 # Not the trainer's defaults (hidden 512, 8 layers), so a load that ignored the sidecar would fail.
@@ -45,12 +45,12 @@ def one_error_line(capsys, call):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """Start weights written as the trainer writes them (export_weights), then one real training step
+    """Start weights written as the trainer writes them (model/weights.py's write_weights), then one real training step
     from them (--from_weight, no shape flags) in-process. Returns the run's --save_dir."""
     work = tmp_path_factory.mktemp("sidecar")
     torch.manual_seed(0)
     start = init_model(MiniMindConfig(**SHAPE))
-    export_weights(start, str(work / "start" / "start_64.pth"))
+    write_weights(start.state_dict(), start.config, str(work / "start" / "start_64.pth"))
     corpus = work / "small.jsonl"
     corpus.write_text("".join(ensure_demo_corpus().open().readlines()[:200]))
 

@@ -15,7 +15,7 @@ import torch
 
 from model.model_minimind import MiniMindConfig
 from common.errors import UserError, WeightsError
-from model.weights import load_model, read_checkpoint
+from model.weights import load_model, read_checkpoint, write_weights
 from scripts.convert_model import save_pth
 from scripts.eval_llm import main as eval_main
 from tests.assertions import assert_clean_exit, error_lines, worker_tracebacks
@@ -25,7 +25,6 @@ from tests.run_outputs import latest_link_name, out_args
 from tests.tiny import FLAGS, TINY, train_tiny
 from trainer.device import resolve_device
 from trainer.checkpoint import verify_checkpoint
-from trainer.train_state import export_weights
 from trainer.train_pretrain import main as train_main
 from trainer.trainer_utils import init_model, lm_checkpoint
 
@@ -197,7 +196,7 @@ def test_every_pth_the_trainer_writes_still_loads(tmp_path):
     ids = torch.randint(3, 6400, (2, 16))
     model(ids, labels=ids).loss.backward()
     optimizer.step()
-    export_weights(model, str(tmp_path / "out" / "pretrain_64.pth"))
+    write_weights(model.state_dict(), model.config, str(tmp_path / "out" / "pretrain_64.pth"))
     state = {"scaler": torch.amp.GradScaler("cpu", enabled=False).state_dict(), "global_step": 1, "epoch": 0,
              "step_in_epoch": 1, "samples_per_step": 2, "world_size": 1, "tokens_seen": 32, "wandb_run_id": None}
     step_file = lm_checkpoint(str(tmp_path / "ckpt"), "pretrain_64", model, optimizer, state=state)

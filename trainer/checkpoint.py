@@ -1,10 +1,11 @@
-"""Resume checkpoints that survive kills, full disks and corrupt files: the one owner of what
-a checkpoint holds, where it lies and which one a resume takes.
+"""Resume checkpoints that survive kills, full disks and corrupt files: how a checkpoint is
+written, verified and chosen, and where it lies. What goes into one is each part's own
+(trainer/train_state.py: every stateful part saves, loads and names its entries itself).
 
 A checkpoint is one dict: {"format": FORMAT, "model_config": ...} plus what each part of the run
-adds (trainer/train_state.py: "model", "optimizer", "scaler", "rng", and the TrainState's
-"global_step", "tokens_seen", "world_size", the data position, ...). Layout in --checkpoint_dir,
-for the run prefix `{save_weight}_{hidden}[_moe]`:
+adds ("model", "optimizer", "scaler", "rng", and the TrainState's "global_step", "tokens_seen",
+"world_size", the data position, ...). Layout in --checkpoint_dir, for the run prefix
+`{save_weight}_{hidden}[_moe]`:
 
     pretrain_768_resume_step0001200.pth        the checkpoint itself (torch.save of the dict)
     pretrain_768_resume_step0001200.pth.json   its record: step, tokens trained, world size, the run's
@@ -15,9 +16,10 @@ FSDP runs write `..._step0001200.dcp/` instead (and point `..._resume.dcp` at it
 torch.distributed.checkpoint folder of the model's and optimizer's shards (each rank writes
 its own) plus `trainer_state.pt` with the rest. Either kind loads into either kind of run.
 
-A checkpoint becomes visible only through os.replace of a finished temp file or folder, and
-its record comes after it, so a kill at any moment leaves every earlier checkpoint intact and
-the half-written one unrecorded (and skipped). A save that fails (a full disk, EIO) removes what
+A save writes the checkpoint under a temp name (`...pth.tmp`, `...dcp.tmp/`), then the inference
+weights, then the record, and only then renames the checkpoint into place: a checkpoint is
+visible once it and its record are whole, so a kill at any moment leaves the earlier state or
+the new one (tests/test_checkpoint_safety.py kills a save at each of its steps). A save that fails (a full disk, EIO) removes what
 it wrote, leaves the earlier checkpoints and the link as they were, and stops every rank with
 the same one line. At start-up rank 0 removes what a killed save left behind and warns when
 the disk cannot hold --keep_last more checkpoints. Newest means most tokens trained: step
@@ -40,7 +42,7 @@ from common.errors import StorageError, UserError, free_bytes, os_error_of, size
 from common.storage import atomic_torch_save, atomic_write_text, remove_quietly
 from model.model_minimind import SHAPE_FIELDS
 from trainer.distributed import TORCH_COLLECTIVES, Logger
-from trainer.train_state import ModelState, TrainState, write_weights
+from trainer.train_state import ModelState
 
 FORMAT = "minimind-resume-v1"
 TRAINER_STATE = "trainer_state.pt"
@@ -52,30 +54,32 @@ AFTER_A_FAILED_SAVE = dict(elsewhere="lower --keep_last or pass another --checkp
 class CheckpointManager:
     """Saves and resumes one run's checkpoints in `folder`, from and into its parts.
 
-    model: trainer/train_state.py's ModelState (the weights and optimizer state; under `sharded`
-    every rank writes its shards); parts: the other parts, in load order. A checkpoint lacking
-    an entry that the model or a part names in its `keys` is skipped, like a damaged one.
+    model_state: trainer/train_state.py's ModelState (the weights and optimizer state; under
+    `sharded` every rank writes its shards); parts: the other parts, in load order. A checkpoint
+    lacking an entry that the model state or a part names in its `keys` is skipped, like a damaged
+    one; the entries a part names in its `record_keys` are written in the record too.
     weights_path: where each save also writes the half-precision inference weights (None: not).
     config: the run's resolved config, written in every record. Every rank calls save() and
     resume() with the same arguments: both are collectives.
     """
 
-    def __init__(self, folder: str, prefix: str, model_config: dict, model, parts: dict, keep_last: int = 3,
+    def __init__(self, folder: str, prefix: str, model_config: dict, model_state, parts: dict, keep_last: int = 3,
                  sharded: bool = False, weights_path: str | None = None, collectives=TORCH_COLLECTIVES,
                  config: dict | None = None):
         self.folder, self.prefix, self.model_config = folder, prefix, model_config
-        self.model, self.parts, self.keep_last, self.sharded = model, parts, keep_last, sharded
+        self.model_state, self.parts, self.keep_last, self.sharded = model_state, parts, keep_last, sharded
         self.weights_path, self.collectives, self.config = weights_path, collectives, config
         self.needs = tuple(key for part in parts.values() for key in part.keys)
+        self.record_keys = tuple(key for part in parts.values() for key in getattr(part, "record_keys", ()))
 
     # ------------------------------------------------------------------ saving
     def save(self, global_step: int) -> str:
         """The inference weights and a resume checkpoint at `global_step`; returns its path."""
         # A checkpoint of NaNs would push a good one out of the rotation: refuse to write it.
-        finite = self.model.finite()  # a collective: a statement of its own, reached by every rank
+        finite = self.model_state.finite()  # a collective: a statement of its own, reached by every rank
         if not finite:
             raise RuntimeError("model weights are not finite; refusing to save a checkpoint")
-        weights = self.model.full_weights() if self.weights_path else None  # every rank: a gather under FSDP
+        weights = self.model_state.full_weights() if self.weights_path else None  # every rank: a gather under FSDP
         state = {"format": FORMAT, "model_config": self.model_config}
         for part in self.parts.values():
             entries = part.state_dict()
@@ -83,7 +87,7 @@ class CheckpointManager:
                 raise ValueError(f"checkpoint parts both write {sorted(set(entries) & set(state))}")
             state.update(entries)
         path = step_path(self.folder, self.prefix, global_step, self.sharded)
-        shards = self.model.state_dict()
+        shards = self.model_state.state_dict()
         problem = self._write_shards(path, shards) if self.sharded else None
         if problem is None and self.collectives.rank == 0:
             problem = self._write(path, state, None if self.sharded else shards, weights)
@@ -107,30 +111,32 @@ class CheckpointManager:
             cause = next((c for c in causes if c is not None and c.errno), None) or next(filter(None, causes), None)
             if cause is None:
                 raise
-            needed = getattr(self.model, "estimated_bytes", lambda: None)()
+            needed = getattr(self.model_state, "estimated_bytes", lambda: None)()
             return str(storage_error(cause, "the checkpoint's shards", f"{path}.tmp", needed, **AFTER_A_FAILED_SAVE))
 
     def _write(self, path: str, state: dict, weights_state: dict | None, weights: dict | None) -> str | None:
-        """Rank 0: the checkpoint (a .pth, or the rest of a .dcp folder), the inference weights,
-        the record, the link, the rotation; on a failed write, what it wrote is removed again and
-        the one line returned."""
+        """Rank 0, in this order: the checkpoint under its temp name (a .pth, or the rest of a .dcp
+        folder), the inference weights, the record, the checkpoint renamed into place, the link,
+        the rotation. On a failed write, what it wrote is removed again and the one line returned."""
+        staged = f"{path}.tmp"
         try:
             os.makedirs(self.folder, exist_ok=True)
+            remove_quietly(f"{path}.json")  # the same step saved before (a resume redoing it): unrecord it first
+            remove_quietly(path)
             if weights_state is None:  # a .dcp folder: its shards are in place
-                atomic_torch_save(state, os.path.join(f"{path}.tmp", TRAINER_STATE), "the checkpoint",
+                atomic_torch_save(state, os.path.join(staged, TRAINER_STATE), "the checkpoint",
                                   **AFTER_A_FAILED_SAVE)
-                remove_quietly(path)
-                os.replace(f"{path}.tmp", path)
-                files = _file_records(path)  # every rank wrote shards through DCP's own writer
+                files = _file_records(staged)  # every rank wrote shards through DCP's own writer
             else:
-                written = atomic_torch_save(dict(state, **weights_state), path, "the checkpoint",
-                                            **AFTER_A_FAILED_SAVE)
+                written = atomic_torch_save(dict(state, **weights_state), path, "the checkpoint", publish=False,
+                                            **AFTER_A_FAILED_SAVE)  # at `staged` until its record is written
                 files = {os.path.basename(path): written}
             if weights is not None:
-                write_weights(weights, self.model.model.config, self.weights_path)
-            record = {k: state[k] for k in TrainState.record_keys}
+                self.model_state.write_weights(weights, self.weights_path)
+            record = {k: state[k] for k in self.record_keys}
             atomic_write_text(f"{path}.json", json.dumps({**record, "config": self.config, "files": files}),
                               "the checkpoint's record", **AFTER_A_FAILED_SAVE)
+            os.replace(staged, path)  # visible now, and whole: its record is in place
             _point_latest(self.folder, self.prefix, path)
         except (StorageError, OSError) as exc:
             remove_quietly(f"{path}.json")
@@ -152,6 +158,7 @@ class CheckpointManager:
         if self.collectives.rank != 0:
             return
         leftovers = glob.glob(os.path.join(glob.escape(self.folder), f"{glob.escape(self.prefix)}_resume*.tmp"))
+        leftovers += orphan_records(self.folder, self.prefix)
         if self.weights_path:
             leftovers += [p for p in (f"{self.weights_path}.tmp", f"{os.path.splitext(self.weights_path)[0]}.json.tmp")
                           if os.path.lexists(p)]
@@ -175,7 +182,7 @@ class CheckpointManager:
         if saved is None:
             return None
         try:
-            self.model.load_state_dict(saved)
+            self.model_state.load_state_dict(saved)
         except KeyError as missing:
             raise UserError(f"checkpoint {saved['path']}: its optimizer state has no {missing} for this run's "
                             f"optimizer; resume with the --optimizer and --param_groups it was trained with") from None
@@ -185,7 +192,7 @@ class CheckpointManager:
         except KeyError as missing:
             raise UserError(f"checkpoint {saved['path']} has no {missing} entry: it was written by another version "
                             f"of this trainer; resume with that version, or move it aside to start fresh") from None
-        return {k: v for k, v in saved.items() if k not in self.model.keys}
+        return {k: v for k, v in saved.items() if k not in self.model_state.keys}
 
     def latest(self) -> dict | None:
         """The newest verified checkpoint, or None when this run has none.
@@ -202,14 +209,14 @@ class CheckpointManager:
             except UserError as exc:
                 path, message = None, str(exc)
             if path is not None:
-                rest = {k: v for k, v in state.items() if k not in self.model.keys} | {"path": path}
+                rest = {k: v for k, v in state.items() if k not in self.model_state.keys} | {"path": path}
         rest, message = self.collectives.broadcast((rest, message))
         if message:
             raise UserError(message)
         if rest is None:
             return None
         if self.collectives.rank == 0 and not rest["path"].endswith(".dcp"):
-            return dict(rest, **{k: state[k] for k in self.model.keys})
+            return dict(rest, **{k: state[k] for k in self.model_state.keys})
         return rest
 
     def _choose(self):
@@ -220,14 +227,14 @@ class CheckpointManager:
             # flags changed, not that this is a new run: say so instead of silently starting over.
             for other in sorted(list_checkpoints(self.folder), key=os.path.getmtime, reverse=True):
                 try:
-                    saved_config = verify_checkpoint(other, self.needs, self.model.keys)["model_config"]
+                    saved_config = verify_checkpoint(other, self.needs, self.model_state.keys)["model_config"]
                 except ValueError:
                     continue
                 check_config_matches(other, saved_config, self.model_config)
             return None, None
         for path in candidates:
             try:
-                state = verify_checkpoint(path, self.needs, self.model.keys)
+                state = verify_checkpoint(path, self.needs, self.model_state.keys)
             except ValueError as exc:
                 Logger(f"skipping checkpoint {path}: {exc}")
                 continue
@@ -270,6 +277,12 @@ def list_checkpoints(checkpoint_dir, prefix="*") -> list[str]:
     pattern = os.path.join(glob.escape(checkpoint_dir), f"{name}_resume_step*")
     paths = [p for p in glob.glob(pattern) if re.search(r"_resume_step\d+\.(pth|dcp)$", p)]
     return sorted(paths, key=_progress_of, reverse=True)
+
+
+def orphan_records(checkpoint_dir, prefix) -> list[str]:
+    """Records whose checkpoint is not there: a save killed between its record and its rename."""
+    pattern = os.path.join(glob.escape(checkpoint_dir), f"{glob.escape(prefix)}_resume_step*.json")
+    return [p for p in glob.glob(pattern) if re.search(r"\.(pth|dcp)\.json$", p) and not os.path.lexists(p[:-5])]
 
 
 def _progress_of(path) -> tuple:
@@ -362,7 +375,7 @@ def verify_checkpoint(path: str, needs=(), weight_keys=ModelState.keys) -> dict:
         raise ValueError(f"cannot be read ({exc.strerror or exc})") from None
     except Exception as exc:
         raise ValueError(f"does not unpickle ({type(exc).__name__})") from None
-    required = {"format", "model_config", *TrainState.record_keys, *needs}
+    required = {"format", "model_config", *needs}
     if not os.path.isdir(path):
         required |= set(weight_keys)
     missing = required - set(state) if isinstance(state, dict) else required

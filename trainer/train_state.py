@@ -1,11 +1,15 @@
 """What a run is and holds: its step plan, where each step is in the data, and the parts a
-checkpoint saves and a resume loads, each saving and loading itself (torchtitan's Stateful
+checkpoint saves and a resume loads, each the owner of its entries (torchtitan's Stateful
 style): state_dict() returns the top-level entries the part adds to a checkpoint,
-load_state_dict(saved) reads them back from a whole checkpoint, and `keys` names the entries
-it cannot load without, so that trainer/checkpoint.py skips a checkpoint lacking one.
+load_state_dict(saved) reads them back from a whole checkpoint, `keys` names the entries it
+cannot load without, so that trainer/checkpoint.py skips a checkpoint lacking one, and
+`record_keys`, where a part has any, the ones written in the checkpoint's JSON record as well
+(read without unpickling).
+How and where a checkpoint is written, and which one a resume takes, is trainer/checkpoint.py's.
 
     TrainState   "global_step", "tokens_seen", "world_size", the data position, "wandb_run_id"
-    ModelState   "model", "optimizer" (in the .pth, or as a .dcp folder's shards)
+    ModelState   "model", "optimizer" (in the .pth, or as a .dcp folder's shards), and the
+                 inference weights beside them (model/weights.py's format)
     ScalerState  "scaler" (fp16's GradScaler)
     RNGState     "rng": every rank's generators, restored only at the world size they were saved at
 
@@ -29,9 +33,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from common.errors import UserError
-from common.storage import atomic_torch_save, atomic_write_text
-from model.weights import sidecar_path, sidecar_text
-from trainer.distributed import TORCH_COLLECTIVES, Logger, full_state_dict, is_main_process, weights_finite
+from model.weights import write_weights
+from trainer.distributed import TORCH_COLLECTIVES, Logger, full_state_dict, weights_finite
 
 
 @dataclass(frozen=True)
@@ -110,7 +113,7 @@ class TrainState:
     data position is stored as (epoch, step in epoch, samples per step), so that
     load_state_dict() can re-express it in this run's step size."""
     # What load_state_dict() cannot do without (a run may have no wandb_run_id); and what is
-    # also written beside each checkpoint, so that choosing the newest unpickles none of them.
+    # also written in each checkpoint's record, so that choosing the newest unpickles none of them.
     keys: ClassVar = ("global_step", "epoch", "step_in_epoch", "samples_per_step", "world_size", "tokens_seen")
     record_keys: ClassVar = ("global_step", "tokens_seen", "world_size")
 
@@ -190,6 +193,11 @@ class ModelState:
         """The whole model's weights as CPU tensors (a collective: a gather under FSDP)."""
         return full_state_dict(self.model)
 
+    def write_weights(self, weights: dict, path: str):
+        """Rank 0: full_weights() as the inference weights at `path`, with the model's config beside them."""
+        write_weights(weights, self.model.config, path, elsewhere="pass another --save_dir",
+                      then=", then relaunch with --from_resume 1")
+
     def estimated_bytes(self) -> int:
         """About what a checkpoint of this model and optimizer takes: fp32 weights, and the
         optimizer's state (AdamW two tensors a weight, Muon one), before a step has made it."""
@@ -198,23 +206,6 @@ class ModelState:
             states = 1 if group.get("name") == "muon" else 2
             total += sum(p.numel() * p.element_size() * (1 + states) for p in group["params"])
         return total
-
-
-def write_weights(weights: dict, config, weights_path: str):
-    """MiniMind's inference format: a half-precision state_dict at `weights_path` (x.pth), written
-    atomically, with the model config beside it (x.json) so that the scripts need no shape flags."""
-    elsewhere, then = "pass another --save_dir", ", then relaunch with --from_resume 1"
-    os.makedirs(os.path.dirname(os.path.abspath(weights_path)), exist_ok=True)
-    atomic_torch_save({k: v.half() for k, v in weights.items()}, weights_path, "the weights", elsewhere, then)
-    atomic_write_text(sidecar_path(weights_path), sidecar_text(config), "the weights' config", elsewhere=elsewhere,
-                      then=then)
-
-
-def export_weights(model, weights_path: str):
-    """write_weights from rank 0, every rank taking part in gathering the weights of a sharded model."""
-    weights = full_state_dict(model)
-    if is_main_process():
-        write_weights(weights, model.config, weights_path)
 
 
 class ScalerState:

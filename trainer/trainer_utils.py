@@ -114,6 +114,7 @@ class _PlainState:
     def __init__(self, state: dict):
         self.state = state
         self.keys = tuple(state)  # a checkpoint lacking one of them cannot restore this dict
+        self.record_keys = tuple(k for k in ("global_step", "tokens_seen", "world_size") if k in state)
 
     def state_dict(self) -> dict:
         return dict(self.state)
