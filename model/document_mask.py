@@ -19,7 +19,7 @@ def document_ids(starts):
 
 def document_causal_mask(starts, flex=None):
     """The mask for the model's attention: a BlockMask on CUDA (flex=None), the dense mask
-    elsewhere, since FlexAttention has no backward on CPU (scripts/bench_ops.py attention)."""
+    elsewhere, since FlexAttention has no backward on CPU (scripts/bench/bench_ops.py attention)."""
     if flex is None:
         flex = starts.is_cuda
     return document_block_mask(starts) if flex else dense_document_mask(starts)

@@ -19,7 +19,7 @@ def chunk_elements(device: torch.device) -> int:
     """How many logits to upcast at a time. A CPU core walks each chunk several times (upcast,
     exp, scatter, scale), fastest while the chunk stays in its L2 cache: on the 2-core AMX Xeon,
     chunks of 1 MB of fp32 took 0.6x (bf16 logits) to 0.8x (fp32) the time of 16 MB ones
-    (scripts/bench_ops.py loss). A GPU pays per kernel launch instead, and under torch.compile the
+    (scripts/bench/bench_ops.py loss). A GPU pays per kernel launch instead, and under torch.compile the
     loop is unrolled into the graph, whose fused kernels make no fp32 copies to keep small: both
     take fewer, larger chunks (16 MB)."""
     if device.type == "cpu" and not torch.compiler.is_compiling():

@@ -34,7 +34,7 @@ holds in this corpus's held-out split, else 1 and one line naming the first item
 not. The demo corpus is built from the running Python's standard library, so on another
 Python version it holds other documents in another order, and the committed task's items
 may then come from documents the quick start trains on. scripts/quickstart.sh and
-scripts/bench_quality.py check before they use the committed task, and build one from the
+scripts/bench/bench_quality.py check before they use the committed task, and build one from the
 corpus at hand when it does not hold.
 """
 import argparse

@@ -4,7 +4,7 @@ forked_ranks.py, tiny.py (tiny runs and models), run_outputs.py, assertions.py,
 host_reads.py and fault_injection.py; no test module imports another."""
 import pytest
 
-from scripts.launching import REPO_ROOT
+from scripts.dev.launching import REPO_ROOT
 from tests.jobs import SharedRuns
 from tests.tiny import build_tokenizer, ensure_demo_corpus
 

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from scripts.launching import REPO_ROOT, kill_tree
+from scripts.dev.launching import REPO_ROOT, kill_tree
 from tests.fault_injection import install_from_env
 from tests.jobs import run_env
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from scripts.launching import PYTHON, TORCHRUN, TRAIN, kill_tree
+from scripts.dev.launching import PYTHON, TORCHRUN, TRAIN, kill_tree
 from tests.fault_injection import install_from_env
 from trainer.data import MAX_WORKER_TMPDIR
 
@@ -114,7 +114,7 @@ def run_nodes(flags, node_dirs, env=None, timeout: float = 240, script=TRAIN) ->
     """One job over len(node_dirs) "nodes" on 127.0.0.1: a one-process torchrun each, started in
     its own folder (a node's own disk), meeting on a port agreed in advance as separate machines
     must. Every node still running at `timeout` (or when the caller is interrupted) is killed."""
-    from scripts.elastic_agents import agreed_port
+    from scripts.dev.elastic_agents import agreed_port
 
     with agreed_port() as port:
         jobs = []

@@ -182,9 +182,9 @@ def test_document_causal_mask_is_dense_on_cpu_unless_asked():
 @torch.no_grad()
 def test_flex_attention_equals_dense_mask_forward(monkeypatch):
     """FlexAttention against SDPA with the dense mask. Eager flex_attention here: compiling it
-    costs ~30 s of a CPU test (scripts/bench_ops.py attention compares the compiled kernel).
+    costs ~30 s of a CPU test (scripts/bench/bench_ops.py attention compares the compiled kernel).
     FlexAttention has no backward on CPU (torch raises NotImplementedError), so gradients are
-    compared on CUDA by scripts/bench_ops.py attention (run by scripts/gpu_check.sh)."""
+    compared on CUDA by scripts/bench/bench_ops.py attention (run by scripts/bench/gpu_check.sh)."""
     monkeypatch.setattr(model_minimind, "_COMPILED_FLEX", flex_attention)
     model = tiny_model().eval()
     ids = packed_ids(length=200)

@@ -1,14 +1,14 @@
-"""scripts/bench_quality.py's variants and its report, on hand-made validation curves
+"""scripts/bench/bench_quality.py's variants and its report, on hand-made validation curves
 (the benchmark's training runs are not tests)."""
 import re
 import shlex
 
 import pytest
 
-from scripts.bench_quality import (
+from scripts.bench.bench_quality import (
     VARIANTS, at_time, first_reach, parse_args, report, report_seeds, run_seeds, seed_run, variant_table,
 )
-from scripts.launching import REPO_ROOT
+from scripts.dev.launching import REPO_ROOT
 from trainer.config import parse_config
 from trainer.evaluate import DownstreamResult
 
@@ -52,7 +52,7 @@ def test_a_missing_corpus_is_one_line_and_the_missing_demo_corpus_is_built(tmp_p
     err = capsys.readouterr().err.strip()
     assert exc.value.code == 2 and "--corpus" in err and "nowhere.jsonl: not found" in err
     assert len(err.splitlines()) == 1, err
-    from scripts import bench_quality
+    from scripts.bench import bench_quality
     from tests import helpers_data
 
     demo = tmp_path / "demo.jsonl"  # the default corpus, not built yet: built as the trainer builds it
@@ -133,7 +133,7 @@ def test_the_committed_task_is_scored_only_where_it_holds_in_the_corpus(tmp_path
     """On the demo corpus bench_quality scores the committed task, unless its items are not the
     held-out documents of the corpus at hand (a demo corpus built on another Python): then a task
     built from that corpus's own held-out split, with one line saying why."""
-    from scripts import bench_quality
+    from scripts.bench import bench_quality
     from scripts.build_eval_task import main as build_main
     from tests import helpers_data
 

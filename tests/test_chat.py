@@ -12,7 +12,7 @@ from dataset.lm_dataset import load_tokenizer
 from dataset.sft_dataset import (
     ChatOptions, PackedSFTDataset, SFTDataset, conversation_cuts, pack_windows, sample_of,
 )
-from scripts.launching import REPO_ROOT
+from scripts.dev.launching import REPO_ROOT
 from scripts.prepare_data import prepare_sft
 from tests.helpers_data import write_conversations
 

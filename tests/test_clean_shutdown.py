@@ -2,7 +2,7 @@
 without an active exception") when a DDP or FSDP model is still alive at
 destroy_process_group; the trainer's cleanup drops it first.
 
-One lucky run proves little, but repetition is what scripts/soak.sh is for: it runs the
+One lucky run proves little, but repetition is what scripts/dev/soak.sh is for: it runs the
 multi-process tests N times. So the suite does not repeat a job here; instead every
 launched 2-process job that the suite already runs to completion (test_launch,
 test_node_local_disks, test_slurm, test_fault_tolerance's torchrun restart, ...) checks

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from tests.assertions import assert_clean_exit, max_abs_diff
-from scripts.launching import REPO_ROOT
+from scripts.dev.launching import REPO_ROOT
 from tests.jobs import JobSpec, run_all
 
 WORKER = REPO_ROOT / "tests" / "ddp_step_worker.py"

@@ -3,8 +3,8 @@ parser's own text, the README names MiniMind's flags and stays a short path for 
 every file the README and docs/ link to exists."""
 import re
 
-from scripts.flags_table import table
-from scripts.launching import REPO_ROOT
+from scripts.dev.flags_table import table
+from scripts.dev.launching import REPO_ROOT
 from trainer.config import MINIMIND_FLAGS, build_parser
 from trainer.train_full_sft import SFT
 
@@ -14,7 +14,7 @@ DOCS = {path: path.read_text() for path in sorted((REPO_ROOT / "docs").glob("*.m
 
 def test_the_flag_reference_is_generated_from_the_parser():
     assert (REPO_ROOT / "docs" / "flags.md").read_text() == table() + "\n", \
-        "docs/flags.md is stale: run python scripts/flags_table.py > docs/flags.md"
+        "docs/flags.md is stale: run python scripts/dev/flags_table.py > docs/flags.md"
     documented = set(re.findall(r"^\| `(--[\w-]+)`", DOCS[REPO_ROOT / "docs" / "flags.md"], re.M))
     parsed = {a.option_strings[0] for stage in (None, SFT) for a in build_parser(stage)._actions
               if a.option_strings and a.help != "==SUPPRESS=="}

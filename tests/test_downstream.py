@@ -13,7 +13,7 @@ from model.weights import load_model
 from scripts.build_eval_task import main as build_main, task_misfit
 from scripts.convert_model import export_native, save_pth
 from scripts.eval_llm import main as eval_main
-from scripts.launching import REPO_ROOT
+from scripts.dev.launching import REPO_ROOT
 from scripts.split_corpus import is_held_out
 from tests import helpers_data
 from tests.assertions import assert_clean_exit

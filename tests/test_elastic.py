@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from scripts.elastic_agents import ElasticAgent, agreed_port, wait_until
+from scripts.dev.elastic_agents import ElasticAgent, agreed_port, wait_until
 from tests.assertions import assert_clean_exit, max_abs_diff, worker_tracebacks
 from tests.jobs import JobSpec, run_env, start_trainer
 from tests.run_outputs import checkpoint_name, checkpoint_steps, latest_checkpoint, out_args

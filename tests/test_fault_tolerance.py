@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tests.assertions import assert_bitwise_equal, assert_clean_exit, assert_same_state, worker_tracebacks
-from scripts.launching import PYTHON, TRAIN, children
+from scripts.dev.launching import PYTHON, TRAIN, children
 from tests.jobs import JobSpec, ProcessJob, run_all, run_trainer
 from tests.fault_injection import fault_env
 from tests.run_outputs import (

@@ -8,7 +8,7 @@ import statistics
 import pytest
 
 from tests.assertions import assert_clean_exit
-from scripts.launching import REPO_ROOT, TRAIN
+from scripts.dev.launching import REPO_ROOT, TRAIN
 from tests.jobs import JobSpec, run_all, run_nodes
 from tests.run_outputs import (
     checkpoint_name, latest_checkpoint, latest_link_name, load_checkpoint, out_args, read_metrics,

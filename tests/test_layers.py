@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.launching import REPO_ROOT
+from scripts.dev.launching import REPO_ROOT
 
 PACKAGES = ("common", "model", "dataset", "trainer", "scripts", "tests")
 MAY_IMPORT = {
@@ -95,14 +95,14 @@ def test_the_check_sees_a_cycle_and_a_wrong_way_import(tmp_path, monkeypatch):
 
 PRODUCT = ("common", "model", "dataset", "trainer")
 # The bounds a reader holds us to: files one optimizer step and one checkpoint save run through
-# (scripts/call_paths.py: 8 and 6 when these bounds were set, from 17 and 11), the modules of
+# (scripts/dev/call_paths.py: 8 and 6 when these bounds were set, from 17 and 11), the modules of
 # trainer/, and the lines of a product file.
 STEP_FILES, SAVE_FILES, TRAINER_MODULES, MAX_LINES = 8, 6, 16, 450
 
 
 @pytest.mark.slow
 def test_one_step_and_one_save_run_through_a_handful_of_files():
-    from scripts.call_paths import measure
+    from scripts.dev.call_paths import measure
 
     paths = measure()
     assert 0 < len(paths["step"]) <= STEP_FILES, sorted(paths["step"])

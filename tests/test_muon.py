@@ -8,7 +8,7 @@ from torch.optim._muon import _zeropower_via_newtonschulz as torch_newton_schulz
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.assertions import assert_bitwise_equal, assert_clean_exit, assert_same_state
-from scripts.launching import REPO_ROOT
+from scripts.dev.launching import REPO_ROOT
 from tests.jobs import run_trainer
 from tests.run_outputs import latest_checkpoint, latest_link, out_args
 from tests.tiny import TINY

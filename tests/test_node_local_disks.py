@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.assertions import assert_clean_exit
-from scripts.launching import REPO_ROOT
+from scripts.dev.launching import REPO_ROOT
 from tests.jobs import run_nodes
 from tests.run_outputs import checkpoint_name, latest_link_name, read_metrics
 from tests.tiny import TINY

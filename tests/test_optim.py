@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from scripts.launching import REPO_ROOT
+from scripts.dev.launching import REPO_ROOT
 from trainer.config import TrainConfig, parse_config
 from trainer.optim import build_optimizer, describe, param_groups, set_lr
 

@@ -15,7 +15,7 @@ from dataset.packed_dataset import PackedPretrainDataset, dtype_for_vocab, meta_
 from dataset.shards import ShardedPackedDataset
 from scripts.prepare_data import prepare
 from tests import helpers_data
-from scripts.launching import REPO_ROOT
+from scripts.dev.launching import REPO_ROOT
 
 PREPARE_SCRIPT = REPO_ROOT / "scripts" / "prepare_data.py"
 

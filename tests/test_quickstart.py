@@ -22,7 +22,7 @@ from dataset.packed_dataset import write_meta
 from scripts.split_corpus import split_corpus
 from scripts.unigram_baseline import unigram_baseline
 from tests.assertions import assert_clean_exit
-from scripts.launching import REPO_ROOT
+from scripts.dev.launching import REPO_ROOT
 from tests.jobs import run_env
 
 QUICKSTART = REPO_ROOT / "scripts" / "quickstart.sh"

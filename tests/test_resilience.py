@@ -18,7 +18,7 @@ from torch.utils.data import Dataset, SequentialSampler, get_worker_info
 
 from common.errors import UserError
 from tests.assertions import worker_tracebacks
-from scripts.launching import REPO_ROOT
+from scripts.dev.launching import REPO_ROOT
 from tests.fault_injection import FaultPlan, fault_env as fault, install, install_from_env
 from trainer.data import MAX_WORKER_TMPDIR, LoaderStalled, check_worker_tmpdir, delivered_batches, make_train_loader
 

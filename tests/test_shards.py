@@ -25,7 +25,7 @@ from scripts import prepare_data
 from scripts.prepare_data import prepare
 from tests import helpers_data
 from tests.assertions import assert_bitwise_equal, assert_clean_exit
-from scripts.launching import REPO_ROOT
+from scripts.dev.launching import REPO_ROOT
 from tests.jobs import run_trainer
 from tests.run_outputs import checkpoint_name, latest_checkpoint, out_args
 from tests.tiny import TINY

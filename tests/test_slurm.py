@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.assertions import ABORT_SIGNS, assert_bitwise_equal, assert_clean_exit
-from scripts.launching import REPO_ROOT, TORCHRUN
+from scripts.dev.launching import REPO_ROOT, TORCHRUN
 from tests.jobs import JobSpec, start_trainer
 from tests.run_outputs import latest_checkpoint, out_args
 from tests.tiny import TINY

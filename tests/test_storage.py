@@ -139,7 +139,7 @@ def test_a_disk_that_fills_stops_the_run_in_one_line_and_the_resume_is_bitwise(t
     elif launch == "fsdp":
         nproc, mode, flags, sharded = 2, "forked", [*RUN, "--parallel", "fsdp"], True
     elif launch == "sft":
-        from scripts.launching import TRAIN_SFT
+        from scripts.dev.launching import TRAIN_SFT
 
         flags, script, prefix = [*RUN, "--from_weight", "none", "--max_seq_len", "128"], TRAIN_SFT, "full_sft_64"
     disk = small_disk(40 * MiB)

@@ -19,7 +19,7 @@ from model.weights import load_model, read_checkpoint, write_weights
 from scripts.convert_model import save_pth
 from scripts.eval_llm import main as eval_main
 from tests.assertions import assert_clean_exit, error_lines, worker_tracebacks
-from scripts.launching import REPO_ROOT
+from scripts.dev.launching import REPO_ROOT
 from tests.jobs import JobSpec, run_all
 from tests.run_outputs import latest_link_name, out_args
 from tests.tiny import FLAGS, TINY, train_tiny

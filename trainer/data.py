@@ -81,7 +81,7 @@ def build_data(cfg, tokenizer, vocab_size: int) -> TrainData:
     packed = not isinstance(full, NextTokenTargets)
     if data.val_data_path:
         # Either kind validates either kind of run: runs on padded and on packed data can
-        # then be compared on one validation set (scripts/bench_quality.py does).
+        # then be compared on one validation set (scripts/bench/bench_quality.py does).
         return TrainData(full, open_dataset(data.val_data_path, "--val_data_path", tokenizer, seq_len, vocab_size),
                          packed)
     return split_tail(full, data.val_fraction, packed)

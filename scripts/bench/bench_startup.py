@@ -1,4 +1,4 @@
-"""The subcommands of scripts/bench_train.py that time what comes before the training steps:
+"""The subcommands of scripts/bench/bench_train.py that time what comes before the training steps:
 `prepare` (preparing a large corpus, and the trainer's start-up on its shards) and `elastic`
 (an elastic job's restart after it lost a node). Also what bench_train.py's runs share: the
 tiny model's flags and a run's output folders."""
@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from dataset.demo_corpus import DEMO_CORPUS
-from scripts.elastic_agents import ElasticAgent, agreed_port, wait_until
-from scripts.launching import REPO_ROOT, launch, median_seconds, row, table
+from scripts.dev.elastic_agents import ElasticAgent, agreed_port, wait_until
+from scripts.dev.launching import REPO_ROOT, launch, median_seconds, row, table
 
 PREPARE = REPO_ROOT / "scripts" / "prepare_data.py"
 # The tiny model of the tests, on CPU: where the time measured is start-up and rendezvous, not training.
@@ -31,7 +31,7 @@ def outputs(run_dir: Path) -> list:
 def elastic_args(p):
     """How long an elastic torchrun job needs to go on after losing a node, per rendezvous setting.
 
-    Two torchrun agents on 127.0.0.1 (--nnodes=1:2, c10d rendezvous; scripts/elastic_agents.py)
+    Two torchrun agents on 127.0.0.1 (--nnodes=1:2, c10d rendezvous; scripts/dev/elastic_agents.py)
     train the tiny model; after the first checkpoint of the group of 2, the second agent and its
     worker are SIGKILLed. The table splits the survivor's recovery into phases, timed from the
     kill by the arrival of its log lines: its worker's "lost a peer process" line, its agent

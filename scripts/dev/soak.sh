@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Run the multi-process tests N times and list every failure, to catch flakes.
 #
-#   scripts/soak.sh [N] [pytest selection...]     # default: N=10, all multi-process tests
-#   scripts/soak.sh 20 tests/test_scaling.py -k fsdp
+#   scripts/dev/soak.sh [N] [pytest selection...]     # default: N=10, all multi-process tests
+#   scripts/dev/soak.sh 20 tests/test_scaling.py -k fsdp
 #
 # Each round's full pytest output is kept in $SOAK_DIR (default: a temp folder); a
 # summary line per round and the failed test ids of every round are printed at the end.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 N=${1:-10}
 shift || true
 # Every test that launches the trainer, torchrun or SLURM is marked slow (tests/assertions.py's

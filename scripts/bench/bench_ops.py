@@ -1,17 +1,17 @@
 """Micro-benchmarks of single operations, one subcommand and one table each:
 
-    python scripts/bench_ops.py attention [--device cuda]    # the document mask: dense SDPA against FlexAttention
-    python scripts/bench_ops.py loss [--device cuda]         # F.cross_entropy on upcast logits against model/loss.py
-    python scripts/bench_ops.py dtype                        # a training step in bf16 autocast against fp32 (CPU)
-    python scripts/bench_ops.py optimizer [--settings cuda]  # Muon's step alone: ours, torch.optim.Muon, AdamW
-    python scripts/bench_ops.py ddp [--device cuda]          # what DDP and its settings cost around one step
-    python scripts/bench_ops.py checkpoint                   # one save of the trainer, in its parts
+    python scripts/bench/bench_ops.py attention [--device cuda]    # the document mask: dense SDPA against FlexAttention
+    python scripts/bench/bench_ops.py loss [--device cuda]         # F.cross_entropy on upcast logits against model/loss.py
+    python scripts/bench/bench_ops.py dtype                        # a training step in bf16 autocast against fp32 (CPU)
+    python scripts/bench/bench_ops.py optimizer [--settings cuda]  # Muon's step alone: ours, torch.optim.Muon, AdamW
+    python scripts/bench/bench_ops.py ddp [--device cuda]          # what DDP and its settings cost around one step
+    python scripts/bench/bench_ops.py checkpoint                   # one save of the trainer, in its parts
 
-`python scripts/bench_ops.py SUBCOMMAND --help` gives each one's flags and what it measures; a
+`python scripts/bench/bench_ops.py SUBCOMMAND --help` gives each one's flags and what it measures; a
 smoke run takes small sizes, e.g. `optimizer --hidden_size 64 --num_hidden_layers 2 --steps 1`.
-The variants of a table take turns call by call (scripts/launching.py's alternate), so a slow
+The variants of a table take turns call by call (scripts/dev/launching.py's alternate), so a slow
 moment of the machine falls on all of them alike. optimizer and ddp, which run over several
-ranks, are in scripts/bench_ranks.py.
+ranks, are in scripts/bench/bench_ranks.py.
 """
 import statistics
 import sys
@@ -20,7 +20,7 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -31,8 +31,8 @@ from common.labels import IGNORE_INDEX  # noqa: E402
 from model.document_mask import dense_document_mask, document_block_mask, document_ids  # noqa: E402
 from model.loss import ChunkedCrossEntropy, chunk_elements  # noqa: E402
 from model.model_minimind import Attention, MiniMindConfig, MiniMindForCausalLM  # noqa: E402
-from scripts import bench_ranks  # noqa: E402
-from scripts.launching import alternate, median_seconds, row, subcommand_parser, table  # noqa: E402
+from scripts.bench import bench_ranks  # noqa: E402
+from scripts.dev.launching import alternate, median_seconds, row, subcommand_parser, table  # noqa: E402
 from trainer.checkpoint import CheckpointManager  # noqa: E402
 from trainer.config import OptimConfig  # noqa: E402
 from trainer.device import native_bf16_cpu_flags, read_cpu_flags  # noqa: E402

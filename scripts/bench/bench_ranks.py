@@ -1,6 +1,6 @@
-"""The subcommands of scripts/bench_ops.py timed over the ranks of a process group: `optimizer`
+"""The subcommands of scripts/bench/bench_ops.py timed over the ranks of a process group: `optimizer`
 (Muon's step alone) and `ddp` (what DDP costs around a training step). Their several processes
-are a torchrun job of bench_ops.py itself (scripts/launching.py's launch), whose rank 0 prints
+are a torchrun job of bench_ops.py itself (scripts/dev/launching.py's launch), whose rank 0 prints
 its figures for the table."""
 import argparse
 import os
@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.flop_counter import FlopCounterMode
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from scripts.launching import alternate, launch, median_seconds, print_result, read_result, row, table
+from scripts.dev.launching import alternate, launch, median_seconds, print_result, read_result, row, table
 from trainer.device import native_bf16_cpu_flags, read_cpu_flags
 from trainer.distributed import no_buffer_sync
 from trainer.optim import Muon, is_block_matrix

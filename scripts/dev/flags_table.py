@@ -2,13 +2,13 @@
 generated from the config's fields (trainer/config.py), so that the documentation cannot drift
 from --help:
 
-    python scripts/flags_table.py > docs/flags.md     # tests/test_docs.py fails when they differ
+    python scripts/dev/flags_table.py > docs/flags.md     # tests/test_docs.py fails when they differ
 """
 import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from trainer.config import LAUNCH_GROUPS, MINIMIND_FLAGS, shown, stage_fields  # noqa: E402
 from trainer.train_full_sft import SFT  # noqa: E402
@@ -32,7 +32,7 @@ def cell(text: str) -> str:
 
 def table() -> str:
     lines = ["# Flags of trainer/train_pretrain.py", "",
-             "Generated from the config's fields (trainer/config.py) by `python scripts/flags_table.py > "
+             "Generated from the config's fields (trainer/config.py) by `python scripts/dev/flags_table.py > "
              "docs/flags.md` (a test fails when the two differ); `python trainer/train_pretrain.py --help` says "
              "the same. The flags marked in the MiniMind column are MiniMind's own, with its names and meanings. "
              "On `--from_resume 1` the flags of the optim, model, data and chat groups are the checkpoint's "

@@ -3,7 +3,7 @@
 # device command of at most 600 s on a machine with one GPU (sized for an H200), imports and
 # compilation included.
 #
-#   bash scripts/gpu_check.sh        # the report on stdout; with OUT set, also $OUT/gpu_check.txt,
+#   bash scripts/bench/gpu_check.sh        # the report on stdout; with OUT set, also $OUT/gpu_check.txt,
 #                                    # $OUT/gpu_check_logs/ (every part's log) and $OUT/variant_*.json
 #
 # The parts, most wanted first (GPU_CHECK_PLAN orders them; the budget may run out at the end):
@@ -11,19 +11,19 @@
 #   corpus, pack  the demo corpus and its packed .bin, built only when missing (carry
 #              dataset/demo_pretrain.jsonl and .bin to the machine to keep their time);
 #   b c i j d  the runs the targets' ratios need: the 64M model (hidden 768, 8 layers) at seq
-#              1024, batch 32, bf16, one trainer run each through scripts/bench_train.py throughput:
+#              1024, batch 32, bf16, one trainer run each through scripts/bench/bench_train.py throughput:
 #              packed eager (b), compiled with the default optimizer (c: Muon) and with AdamW
 #              (i), compiled with --doc_mask (j), torchrun --nproc_per_node=1 on NCCL (d);
-#   optimizer  Muon's step alone: scripts/bench_ops.py optimizer --settings cuda (AdamW, torch.optim.Muon, ours);
+#   optimizer  Muon's step alone: scripts/bench/bench_ops.py optimizer --settings cuda (AdamW, torch.optim.Muon, ours);
 #   then, as time allows:
-#   ddp        what DDP would cost a 1-GPU run, and its settings: scripts/bench_ops.py ddp (world size 1, NCCL;
+#   ddp        what DDP would cost a 1-GPU run, and its settings: scripts/bench/bench_ops.py ddp (world size 1, NCCL;
 #              since (d) runs no DDP at all, this row is where DDP's own overhead shows);
 #   flash      SDPA forced onto the flash kernel (sdpa_kernel(FLASH_ATTENTION)) for the model's own
 #              attention call, forward and backward, in bf16 at our head sizes; then the kernels the
 #              profiler sees when SDPA chooses by itself;
-#   kernels    the --doc_mask kernels: scripts/bench_ops.py attention --device cuda (dense mask against
+#   kernels    the --doc_mask kernels: scripts/bench/bench_ops.py attention --device cuda (dense mask against
 #              FlexAttention, forward+backward, outputs and gradients compared);
-#   loss       the chunked cross-entropy against F.cross_entropy on upcast logits: scripts/bench_ops.py
+#   loss       the chunked cross-entropy against F.cross_entropy on upcast logits: scripts/bench/bench_ops.py
 #              loss --device cuda at the 64M run's batch x seq (and 8 x 340);
 #   f g a      eager doc_mask (f), FSDP under torchrun on 1 GPU (g), padded JSONL (a).
 # It ends with a table (tokens/s, MFU and peak memory per variant, from the trainer's metrics) and
@@ -46,7 +46,7 @@
 # CPU) and its CUDA kernels, NCCL, bf16 tensor-core speed, MFU (no peak on CPU), peak GPU memory,
 # and whether the compiles of (c), (i) and (j) fit their caps on the GPU machine.
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 PYTHON=${PYTHON:-python3}
 DEVICE=${GPU_CHECK_DEVICE:-cuda}
@@ -69,7 +69,7 @@ declare -A CAP=([env]=30 [corpus]=50 [pack]=25 [b]=90 [c]=170 [i]=120 [j]=150 [d
                 [ddp]=60 [flash]=60 [kernels]=90 [loss]=30 [f]=90 [g]=90 [a]=90)
 declare -A FLOOR=([b]=50 [c]=90 [i]=60 [j]=90 [d]=50 [optimizer]=40)
 # bench_train.py starts (imports) before its --timeout clock, and stops a timed-out trainer
-# with SIGTERM and up to 15 s of grace (scripts/launching.py's stop): its --timeout is a
+# with SIGTERM and up to 15 s of grace (scripts/dev/launching.py's stop): its --timeout is a
 # variant's limit less this margin.
 STOP_MARGIN=30
 WORK=$(mktemp -d)
@@ -166,7 +166,7 @@ variant() {
     fi
     # bench_train.py stops its trainer at --timeout itself (SIGTERM, which torchrun passes on),
     # well inside run's limit, so no trainer keeps the GPU. Its JSON feeds the final table.
-    QUIET=1 run "variant_$key" "$LIMIT" "$PYTHON" scripts/bench_train.py throughput --device "$DEVICE" --variants "$key" \
+    QUIET=1 run "variant_$key" "$LIMIT" "$PYTHON" scripts/bench/bench_train.py throughput --device "$DEVICE" --variants "$key" \
         --nproc 1 --rounds 1 --steps "$STEPS" --warmup "$WARMUP" --hidden_size "$HIDDEN" \
         --num_hidden_layers "$LAYERS" --max_seq_len "$SEQ" --batch_size "$BATCH" --dtype bfloat16 \
         --timeout "$((LIMIT - STOP_MARGIN))" --out "$REPORT_DIR/variant_$key.json" --keep_logs "$LOGS"
@@ -177,14 +177,14 @@ optimizer_step() {
     local settings=cuda
     [[ $DEVICE == cpu ]] && settings=one
     limit_for optimizer
-    run optimizer "$LIMIT" "$PYTHON" scripts/bench_ops.py optimizer --settings "$settings" --hidden_size "$HIDDEN" \
+    run optimizer "$LIMIT" "$PYTHON" scripts/bench/bench_ops.py optimizer --settings "$settings" --hidden_size "$HIDDEN" \
         --num_hidden_layers "$LAYERS" --steps 5
 }
 
 # ---------------------------------------------------------------- DDP's own cost, at world size 1
 ddp_cost() {
     limit_for ddp
-    run ddp "$LIMIT" "$PYTHON" scripts/bench_ops.py ddp --device "$DEVICE" --worlds 1 --hidden_size "$HIDDEN" \
+    run ddp "$LIMIT" "$PYTHON" scripts/bench/bench_ops.py ddp --device "$DEVICE" --worlds 1 --hidden_size "$HIDDEN" \
         --num_hidden_layers "$LAYERS" --max_seq_len "$SEQ" --batch_size "$BATCH" --dtype bfloat16 --steps 5
 }
 
@@ -225,14 +225,14 @@ EOF
 # ---------------------------------------------------------------- dense mask vs FlexAttention
 doc_mask_kernels() {
     limit_for kernels
-    run doc_mask_kernels "$LIMIT" "$PYTHON" scripts/bench_ops.py attention --device "$DEVICE" --hidden_sizes "$HIDDEN" \
+    run doc_mask_kernels "$LIMIT" "$PYTHON" scripts/bench/bench_ops.py attention --device "$DEVICE" --hidden_sizes "$HIDDEN" \
         --seq_lens "$SEQ" --batch_size "$BATCH" --repeats 10
 }
 
 # ---------------------------------------------------------------- the loss's two implementations
 loss_kernels() {
     limit_for loss
-    run loss_kernels "$LIMIT" "$PYTHON" scripts/bench_ops.py loss --device "$DEVICE" --tokens "2720,$((BATCH * SEQ))" \
+    run loss_kernels "$LIMIT" "$PYTHON" scripts/bench/bench_ops.py loss --device "$DEVICE" --tokens "2720,$((BATCH * SEQ))" \
         --repeats 5
 }
 

@@ -1,12 +1,12 @@
 """Benchmarks that run the whole trainer, one subcommand and one table each:
 
-    python scripts/bench_train.py throughput [--variants abcdef] [--device cuda]  # data paths, launch modes, options
-    python scripts/bench_train.py memory [--parallel]    # peak memory: --grad_checkpointing; DDP against FSDP
-    python scripts/bench_train.py elastic                # how soon an elastic job goes on after losing a node
-    python scripts/bench_train.py prepare [--file_mb 10] # prepare_data.py on a large corpus; start-up on its shards
+    python scripts/bench/bench_train.py throughput [--variants abcdef] [--device cuda]  # data paths, launch modes, options
+    python scripts/bench/bench_train.py memory [--parallel]    # peak memory: --grad_checkpointing; DDP against FSDP
+    python scripts/bench/bench_train.py elastic                # how soon an elastic job goes on after losing a node
+    python scripts/bench/bench_train.py prepare [--file_mb 10] # prepare_data.py on a large corpus; start-up on its shards
 
-`python scripts/bench_train.py SUBCOMMAND --help` gives each one's flags and what it measures.
-Every run goes through scripts/launching.py's launch (one process, or torchrun with N), and
+`python scripts/bench/bench_train.py SUBCOMMAND --help` gives each one's flags and what it measures.
+Every run goes through scripts/dev/launching.py's launch (one process, or torchrun with N), and
 runs compared in one table take turns (its alternate), so that a slow moment of the machine
 falls on all of them alike.
 """
@@ -21,14 +21,14 @@ from pathlib import Path
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))
 
 from common.cli import OneLineArgumentParser  # noqa: E402
 from dataset.demo_corpus import DEMO_CORPUS  # noqa: E402
-from scripts import bench_startup  # noqa: E402
-from scripts.bench_startup import PREPARE, outputs  # noqa: E402
-from scripts.launching import (  # noqa: E402
+from scripts.bench import bench_startup  # noqa: E402
+from scripts.bench.bench_startup import PREPARE, outputs  # noqa: E402
+from scripts.dev.launching import (  # noqa: E402
     alternate, launch, median_seconds, print_result, read_result, row, stop_on_sigterm, subcommand_parser, table,
 )
 from trainer.config import run_prefix  # noqa: E402

@@ -1,10 +1,10 @@
 """Time to quality: how soon does each recipe reach MiniMind's validation loss?
 
-    python scripts/bench_quality.py                      # MiniMind's shapes: hidden 256, 4 layers, seq 340, batch 8
-    python scripts/bench_quality.py --steps 40 --eval_every 10 --hidden_size 64 --num_hidden_layers 2   # a smoke run
-    python scripts/bench_quality.py --variants a_minimind,b_defaults --reuse 1 \
+    python scripts/bench/bench_quality.py                      # MiniMind's shapes: hidden 256, 4 layers, seq 340, batch 8
+    python scripts/bench/bench_quality.py --steps 40 --eval_every 10 --hidden_size 64 --num_hidden_layers 2   # a smoke run
+    python scripts/bench/bench_quality.py --variants a_minimind,b_defaults --reuse 1 \
         --variant "muon_lr_0.04=--muon_lr 0.04" --variant "warmup_30=--warmup_steps 30"   # a sweep around (b)
-    python scripts/bench_quality.py --variants a_minimind,b_defaults --seeds 3 \
+    python scripts/bench/bench_quality.py --variants a_minimind,b_defaults --seeds 3 \
         --variant "no_normuon=--normuon 0"                                # each run with 3 seeds
 
 Trains on the demo corpus with the quick start's held-out split (every 25th document,
@@ -12,7 +12,7 @@ scripts/split_corpus.py), one variant after another (with --seeds N, the variant
 seed after seed), one process with --threads threads each, and validates every --eval_every
 steps on the same packed val.bin for every variant (the trainer validates padded runs on
 packed data too), so the curves share one yardstick. The clock is the trainer's training
-time (validation excluded). The runs go through scripts/launching.py's launch and alternate.
+time (validation excluded). The runs go through scripts/dev/launching.py's launch and alternate.
 
     a_minimind   MiniMind's recipe, the README's line: padded JSONL, fp32, lr 5e-4, no warmup, AdamW
                  (betas 0.9,0.999) on everything with one weight decay
@@ -46,14 +46,14 @@ from pathlib import Path
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))
 
 from dataset.demo_corpus import DEMO_CORPUS, ensure_demo_corpus  # noqa: E402
 from dataset.lm_dataset import load_tokenizer  # noqa: E402
 from model.weights import load_model  # noqa: E402
 from scripts.build_eval_task import main as build_task, task_misfit  # noqa: E402
-from scripts.launching import alternate, launch  # noqa: E402
+from scripts.dev.launching import alternate, launch  # noqa: E402
 from trainer.config import TrainConfig  # noqa: E402
 from common.cli import OneLineArgumentParser  # noqa: E402
 from trainer.evaluate import encode_task, evaluate_task, load_task  # noqa: E402

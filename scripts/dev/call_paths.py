@@ -9,8 +9,8 @@ differ between the two runs, and the files that hold them.
     step: 6 steps against 4, with the only save at the end of each run
     save: 4 steps saving every 2 (two saves) against only at the end (one save)
 
-    python scripts/call_paths.py              # the table
-    python scripts/call_paths.py --list       # and every function, per file
+    python scripts/dev/call_paths.py              # the table
+    python scripts/dev/call_paths.py --list       # and every function, per file
 
 tests/test_layers.py holds the counts to their bounds.
 """
@@ -23,7 +23,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--hidden_size", "64", "--num_hidden_layers", "2", "--max_seq_len", "64", "--batch_size", "4",
         "--num_workers", "0", "--device", "cpu", "--log_interval", "1000", "--eval_interval", "0",
         "--val_fraction", "0"]

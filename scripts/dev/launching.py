@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 TRAIN = REPO_ROOT / "trainer" / "train_pretrain.py"
 TRAIN_SFT = REPO_ROOT / "trainer" / "train_full_sft.py"
 PYTHON = sys.executable

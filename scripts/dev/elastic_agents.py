@@ -1,5 +1,5 @@
 """torchrun agents of an elastic c10d job on 127.0.0.1, each standing in for a node, and the
-port they agree on in advance: what tests/test_elastic.py and scripts/bench_train.py elastic
+port they agree on in advance: what tests/test_elastic.py and scripts/bench/bench_train.py elastic
 start, SIGKILL and time."""
 import fcntl
 import random
@@ -11,7 +11,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from scripts.launching import TORCHRUN, TRAIN, descendants, kill_tree
+from scripts.dev.launching import TORCHRUN, TRAIN, descendants, kill_tree
 
 @contextmanager
 def agreed_port():
