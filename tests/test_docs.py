@@ -25,13 +25,14 @@ def test_the_readme_names_minimind_s_flags_and_stays_short():
     assert len(MINIMIND_FLAGS) == 22
     missing = [flag for flag in MINIMIND_FLAGS if f"--{flag}" not in README]
     assert not missing, missing
-    assert len(README.splitlines()) <= 300
+    # A guard against the README growing into the docs, with room to write clearly: not today's length.
+    assert len(README.splitlines()) <= 360
 
 
 def test_the_pages_of_figures_stay_within_their_bounds():
-    """The design and one table of today's figures each, not a notebook of every run."""
+    """The design and one table of today's figures each, not a notebook of every run (a bound with room)."""
     for name in ("performance.md", "time-to-quality.md"):
-        assert len(DOCS[REPO_ROOT / "docs" / name].splitlines()) <= 250, name
+        assert len(DOCS[REPO_ROOT / "docs" / name].splitlines()) <= 300, name
 
 
 def test_every_linked_file_exists():
