@@ -15,9 +15,9 @@ file, so they need no locks, only a shared directory:
 Shards are written under a temp name and renamed once the whole input is done, so a
 killed run leaves no file a reader takes for complete; the next run deletes what a
 killed one left of an input and redoes it, and skips every input with a record. Every
-file is a common/storage.py AtomicFile: fsynced, and all of an output's files are on
-disk before the first is renamed, so a full disk leaves none of them in place, and its
-StorageError names the file in one line.
+file is a common/storage.py AtomicFile, fsynced: all the files of a .bin (its sidecar,
+an SFT file's blocks), or of one input's shards, are on disk before the first is renamed,
+so a full disk leaves none of them in place, and its StorageError names the file in one line.
 """
 
 import json
