@@ -8,13 +8,15 @@ import math
 import sys
 from dataclasses import field
 
+from common.errors import say_error
+
 
 class OneLineArgumentParser(argparse.ArgumentParser):
     """An unknown flag or a bad value gets one line naming it instead of the whole usage
     (which under torchrun every rank would print); --help still shows the usage."""
 
     def error(self, message):
-        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        say_error(f"{self.prog}: error: {message} (see --help)")
         sys.exit(2)
 
 

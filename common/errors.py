@@ -4,14 +4,17 @@ wrapper that turns either into one line.
 A UserError's text is one line that names the culprit (a flag, a file and line, a disk) and
 says what to do. dataset/ raises DataError, model/ WeightsError, a write the disk refused
 StorageError (common/storage.py); a script's main() reports any of them the same way, and an
-OSError nobody caught as one line too.
+OSError nobody caught as one line too. Every stop with one line says it through say_error(),
+which under torchrun also hands it to torchrun's failure report.
 """
 import errno
 import functools
+import json
 import os
 import re
 import shutil
 import sys
+import time
 from pathlib import Path
 
 
@@ -93,6 +96,25 @@ def os_error_line(exc: OSError) -> str:
            f"check that path and its disk"
 
 
+def tell_torchrun(line: str):
+    """Under torchrun, `line` for its failure report: this worker's own TORCHELASTIC_ERROR_FILE, in
+    the form torch's ErrorHandler writes. The report shows the error file of the failure with the
+    earliest timestamp as its root cause, and "error_file: <N/A>" for a worker that wrote none."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        try:
+            with open(path, "w") as f:  # torchrun's own file, read only after this process is gone
+                json.dump({"message": line, "timestamp": int(time.time())}, f)
+        except OSError:
+            pass  # the line is on stderr already
+
+
+def say_error(line: str):
+    """A stop's one line: on stderr, and to torchrun's failure report."""
+    print(line, file=sys.stderr, flush=True)
+    tell_torchrun(line)
+
+
 def report_user_errors(main):
     """Decorate a script's main(): a UserError, or an OSError nobody caught, becomes `error: <one
     line>` on stderr and exit code 2, instead of a traceback."""
@@ -102,10 +124,10 @@ def report_user_errors(main):
         try:
             return main(*args, **kwargs)
         except UserError as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            say_error(f"error: {e}")
             sys.exit(2)
         except OSError as e:
-            print(f"error: {os_error_line(e)}", file=sys.stderr, flush=True)
+            say_error(f"error: {os_error_line(e)}")
             sys.exit(2)
 
     return wrapper

@@ -74,29 +74,90 @@ class _HashingFile:
         return {"size": self.size, "sha256": self._digest.hexdigest()}
 
 
+class AtomicFile:
+    """`path`, written under a temp name beside it: write() or `file` (the open temp file) fill
+    it, close() fsyncs and closes it, commit() also renames it over `path`, discard() removes it.
+    A failure in any of them (an OSError, or torch's RuntimeError with one behind it) removes the
+    temp file and raises StorageError's one line, naming `path`. As a context manager it commits
+    on success and discards on any error. A writer that streams (scripts/prepare_data.py's) keeps
+    one open across calls, and several apart: closed all before the first is renamed, a full disk
+    leaves none of them in place. `shared`: processes on several machines may write `path` at
+    once, so each writes a temp file of its own, named after its host and pid, and the renames
+    cannot interleave."""
+
+    def __init__(self, path, what: str, mode: str = "wb", shared: bool = False, needed: int | None = None,
+                 elsewhere: str = "write elsewhere", then: str = ""):
+        self.path, self.what, self.needed, self.elsewhere, self.then = str(path), what, needed, elsewhere, then
+        self.tmp = f"{path}.{os.uname().nodename}.{os.getpid()}.tmp" if shared else f"{path}.tmp"
+        self.file = None
+        try:
+            self.file = open(self.tmp, mode)
+        except BaseException as exc:
+            self.fail(exc)
+
+    def write(self, data) -> int:
+        try:
+            return self.file.write(data)
+        except BaseException as exc:
+            self.fail(exc)
+
+    def close(self):
+        """The bytes on disk (fsync), the temp file closed and still under its temp name."""
+        if self.file.closed:
+            return
+        try:
+            self.file.flush()
+            os.fsync(self.file.fileno())
+            self.file.close()
+        except BaseException as exc:
+            self.fail(exc)
+
+    def commit(self):
+        self.close()
+        try:
+            os.replace(self.tmp, self.path)
+        except BaseException as exc:
+            self.fail(exc)
+
+    def discard(self):
+        if self.file is not None:
+            try:
+                self.file.close()
+            except OSError:
+                pass  # its bytes go anyway
+        remove_quietly(self.tmp)
+
+    def fail(self, exc: BaseException):
+        """Remove the temp file and raise: the one line when a disk's error is behind `exc`, else `exc`."""
+        self.discard()
+        cause = os_error_of(exc) if isinstance(exc, (OSError, RuntimeError)) else None
+        if cause is None:
+            raise exc
+        raise storage_error(cause, self.what, self.path, self.needed, self.elsewhere, self.then) from None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        if kind is None:
+            self.commit()
+        else:
+            self.fail(exc)
+
+
 def atomic_write(path, write, what: str, mode: str = "wb", shared: bool = False, needed: int | None = None,
                  elsewhere: str = "write elsewhere", then: str = "", publish: bool = True):
-    """Call write(f) on a temp file beside `path`, fsync it, then rename it over `path`; returns
-    what write returned. On failure the temp file is gone and StorageError says so in one line.
-    `shared`: processes on several machines may write `path` at once, so each writes a temp
-    file of its own, named after its host and pid, and the renames cannot interleave.
-    publish=False leaves the finished file at `path`.tmp for the caller to rename once what must
-    precede it is written (a checkpoint waits for its record)."""
-    tmp = f"{path}.{os.uname().nodename}.{os.getpid()}.tmp" if shared else f"{path}.tmp"
+    """Call write(f) on a temp file beside `path`, fsync it, then rename it over `path` (an
+    AtomicFile); returns what write returned. On failure the temp file is gone and StorageError
+    says so in one line. publish=False leaves the finished file at its temp name, `path`.tmp, for
+    the caller to rename once what must precede it is written (a checkpoint waits for its record)."""
+    out = AtomicFile(path, what, mode, shared, needed, elsewhere, then)
     try:
-        with open(tmp, mode) as f:
-            result = write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        if publish:
-            os.replace(tmp, path)
-        return result
-    except (OSError, RuntimeError) as exc:
-        remove_quietly(tmp)
-        cause = os_error_of(exc)
-        if cause is None:
-            raise
-        raise storage_error(cause, what, path, needed, elsewhere, then) from None
+        result = write(out.file)
+    except BaseException as exc:
+        out.fail(exc)
+    out.commit() if publish else out.close()
+    return result
 
 
 def atomic_torch_save(obj, path, what: str = "the file", elsewhere: str = "write elsewhere", then: str = "",

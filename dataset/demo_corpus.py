@@ -16,7 +16,6 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -201,40 +200,31 @@ def _run_worker(modname, timeout, named=False):
 def build_demo_corpus(out_path=DEMO_CORPUS, modules=None, jobs=2, timeout=DEFAULT_TIMEOUT,
                       progress=True):
     """Write the corpus to out_path atomically and return a summary dict."""
-    from tqdm import tqdm
+    from tqdm import tqdm  # here, not at the top: the children import this file without site-packages
+
+    from common.storage import AtomicFile
     t0 = time.time()
     out_path = Path(out_path)
     modules = list(modules) if modules is not None else discover_modules()
     seen, n_docs, skipped = set(), 0, []
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    # Write next to the target and rename, so readers never see half a file.
-    fd, tmp_name = tempfile.mkstemp(dir=out_path.parent, prefix=out_path.name + ".", suffix=".tmp")
-    # mkstemp makes the file private (0600); the corpus is data that others sharing the
-    # checkout or the cluster's disk must read, so give it a plain file's mode under the umask.
-    umask = os.umask(0)
-    os.umask(umask)
-    os.fchmod(fd, 0o666 & ~umask)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f, \
-                ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-            # map() yields in submission order, so parallelism cannot reorder docs.
-            results = pool.map(lambda name: _run_worker(name, timeout), modules)
-            bar = tqdm(zip(modules, results), total=len(modules), desc="stdlib docstrings",
-                       unit="mod", disable=not (progress and sys.stderr.isatty()))  # no \r noise in log files
-            for name, docs in bar:
-                if docs is None:
-                    skipped.append(name)
-                    continue
-                for doc in docs:
-                    if isinstance(doc, str) and doc not in seen:
-                        seen.add(doc)
-                        f.write(json.dumps({"text": doc}, ensure_ascii=False) + "\n")
-                        n_docs += 1
-        os.replace(tmp_name, out_path)
-    except BaseException:
-        if os.path.exists(tmp_name):
-            os.unlink(tmp_name)
-        raise
+    # shared: a temp file of this process's own, should two processes build it at once.
+    corpus = AtomicFile(out_path, "the demo corpus", shared=True,
+                        elsewhere="build it elsewhere (scripts/build_demo_corpus.py --out)")
+    with corpus, ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        # map() yields in submission order, so parallelism cannot reorder docs.
+        results = pool.map(lambda name: _run_worker(name, timeout), modules)
+        bar = tqdm(zip(modules, results), total=len(modules), desc="stdlib docstrings",
+                   unit="mod", disable=not (progress and sys.stderr.isatty()))  # no \r noise in log files
+        for name, docs in bar:
+            if docs is None:
+                skipped.append(name)
+                continue
+            for doc in docs:
+                if isinstance(doc, str) and doc not in seen:
+                    seen.add(doc)
+                    corpus.write((json.dumps({"text": doc}, ensure_ascii=False) + "\n").encode("utf-8"))
+                    n_docs += 1
     return {
         "path": str(out_path),
         "documents": n_docs,

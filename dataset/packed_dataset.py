@@ -25,6 +25,7 @@ import torch
 from torch.utils.data import Dataset
 
 from common.errors import DataError
+from common.storage import atomic_write_text
 
 FORMAT = "minimind-packed-v1"
 SFT_FORMAT = "minimind-sft-packed-v1"  # conversations, with their loss spans (dataset/sft_dataset.py)
@@ -44,10 +45,12 @@ def dtype_for_vocab(vocab_size):
 
 
 def write_meta(bin_path, *, vocab_size, num_tokens, num_docs, bos_token_id, eos_token_id,
-               tokenizer, dtype=None, max_token_id=None, format_=FORMAT, **extra):
-    """Write the JSON sidecar next to the finished bin_path and return the dict written.
-    max_token_id (the writer saw every token) is stamped with the file's size and mtime, so a
-    reader trusts it only for the very file it was counted on. `extra`: a format's own keys."""
+               tokenizer, dtype=None, max_token_id=None, format_=FORMAT, to=None, **extra):
+    """Write the JSON sidecar of the finished bin_path and return the dict written: beside it
+    (atomically), or into `to`, a text file open for writing (a writer's temp sidecar, bin_path then the
+    temp file its bytes wait in). max_token_id (the writer saw every token) is stamped with the
+    file's size and mtime, which a rename keeps, so a reader trusts it only for the very file it
+    was counted on. `extra`: a format's own keys."""
     meta = {
         "format": format_,
         "dtype": dtype or dtype_for_vocab(vocab_size),
@@ -62,9 +65,11 @@ def write_meta(bin_path, *, vocab_size, num_tokens, num_docs, bos_token_id, eos_
     if max_token_id is not None:
         stat = os.stat(bin_path)
         meta.update(max_token_id=int(max_token_id), bin_bytes=stat.st_size, bin_mtime_ns=stat.st_mtime_ns)
-    with open(meta_path(bin_path), "w") as f:
-        json.dump(meta, f, indent=2)
-        f.write("\n")
+    text = json.dumps(meta, indent=2) + "\n"
+    if to is None:
+        atomic_write_text(meta_path(bin_path), text, "the metadata")
+    else:
+        to.write(text)
     return meta
 
 

@@ -14,19 +14,49 @@ file, so they need no locks, only a shared directory:
 
 Shards are written under a temp name and renamed once the whole input is done, so a
 killed run leaves no file a reader takes for complete; the next run deletes what a
-killed one left of an input and redoes it, and skips every input with a record.
+killed one left of an input and redoes it, and skips every input with a record. Every
+file is a common/storage.py AtomicFile, fsynced: all the files of a .bin (its sidecar,
+an SFT file's blocks), or of one input's shards, are on disk before the first is renamed,
+so a full disk leaves none of them in place, and its StorageError names the file in one line.
 """
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 
 from common.errors import DataError
+from common.storage import AtomicFile
 from dataset.packed_dataset import DTYPES, SFT_FORMAT, meta_path, write_meta
 from dataset.sft_dataset import block_rows, blocks_path
 from dataset.shards import PREP_DIR, SHARED_KEYS, write_json_atomic, write_manifest
+
+
+# What a failed write's line says to do, besides freeing space.
+AFTER_A_FAILED_WRITE = dict(elsewhere="pass another --out_path",
+                            then=", then run it again (a directory of shards keeps the files it finished)")
+
+
+def temp_file(path, what: str, mode: str = "wb") -> AtomicFile:
+    return AtomicFile(path, what, mode, **AFTER_A_FAILED_WRITE)
+
+
+def commit_all(files):
+    """All of an output's files on disk before the first is renamed: a full disk (which fsync
+    may be the first to report) then leaves none of them in place."""
+    for f in files:
+        f.close()
+    for f in files:
+        f.commit()
+
+
+def add_sidecar(files: list, data: AtomicFile, figures: dict):
+    """Close `data` (its size and mtime are final then) and write its sidecar as a temp file too,
+    last in `files`: renamed after the data, and removed with the rest by an abort."""
+    data.close()
+    sidecar = temp_file(meta_path(data.path), "the packed tokens' metadata", "w")
+    files.append(sidecar)
+    write_meta(data.tmp, to=sidecar, **figures)
 
 
 class StreamWriter:
@@ -34,16 +64,17 @@ class StreamWriter:
 
     def __init__(self, out_path, common):
         self.out_path, self.common = Path(out_path), common
-        self.tmp = self.out_path.with_name(self.out_path.name + ".tmp")
-        self.file, self.num_tokens, self.num_docs, self.max_token_id = None, 0, 0, -1
+        self.files = []  # the temp files: the tokens first, then whatever goes with them
+        self.num_tokens, self.num_docs, self.max_token_id = 0, 0, -1
 
     def start_input(self, index):
-        if self.file is None:
+        if not self.files:
             self.out_path.parent.mkdir(parents=True, exist_ok=True)
-            self.file = open(self.tmp, "wb")
+            self.files.append(temp_file(self.out_path, "the packed tokens"))
 
     def write(self, tokens, doc_lens):
-        self.file.write(memoryview(np.ascontiguousarray(tokens)))  # not tofile: a full disk then names its errno
+        # not tofile: a full disk then names its errno
+        self.files[0].write(memoryview(np.ascontiguousarray(tokens)))
         self.num_tokens += len(tokens)
         self.num_docs += len(doc_lens)
         self.max_token_id = max(self.max_token_id, int(tokens.max()) if len(tokens) else -1)
@@ -52,21 +83,17 @@ class StreamWriter:
         pass
 
     def close(self):
-        if self.file is None or self.num_docs == 0:
+        if not self.files or self.num_docs == 0:
             self.abort()
             raise DataError(f"{self.out_path}: every non-blank line of the input is bad, nothing to write; "
                             f"fix the input or pass other files")
-        self.file.close()
-        write_meta(self.tmp, num_tokens=self.num_tokens, num_docs=self.num_docs, max_token_id=self.max_token_id,
-                   **self.common)
-        os.replace(self.tmp, self.out_path)
-        os.replace(meta_path(self.tmp), meta_path(self.out_path))
+        add_sidecar(self.files, self.files[0], dict(num_tokens=self.num_tokens, num_docs=self.num_docs,
+                                                    max_token_id=self.max_token_id, **self.common))
+        commit_all(self.files)
 
     def abort(self):
-        if self.file is not None:
-            self.file.close()
-        for leftover in (self.tmp, meta_path(self.tmp)):
-            leftover.unlink(missing_ok=True)
+        for f in self.files:
+            f.discard()
 
 
 class SFTWriter(StreamWriter):
@@ -75,13 +102,12 @@ class SFTWriter(StreamWriter):
 
     def __init__(self, out_path, common):
         super().__init__(out_path, dict(common, format_=SFT_FORMAT))
-        self.blocks_tmp = Path(blocks_path(self.tmp))
-        self.blocks_file, self.num_blocks, self.trained_tokens = None, 0, 0
+        self.num_blocks, self.trained_tokens = 0, 0
 
     def write_conversations(self, conversations):
-        if self.blocks_file is None:
+        if not self.files:
             self.start_input(0)
-            self.blocks_file = open(self.blocks_tmp, "wb")
+            self.files.append(temp_file(blocks_path(self.out_path), "the packed conversations' blocks"))
         dtype, first = DTYPES[self.common["dtype"]], self.num_tokens
         rows = []
         for k, encoded in enumerate(conversations):
@@ -90,27 +116,17 @@ class SFTWriter(StreamWriter):
             self.trained_tokens += sum(encoded.trained)
         tokens = np.fromiter((i for e in conversations for i in e.ids), dtype=dtype, count=first - self.num_tokens)
         table = np.concatenate(rows) if rows else np.empty((0, 4), dtype=np.int64)
-        self.blocks_file.write(memoryview(table))
+        self.files[1].write(memoryview(table))
         self.num_blocks += len(table)
         self.write(tokens, [len(e.ids) for e in conversations])
 
     def close(self):
-        if self.blocks_file is not None:
-            self.blocks_file.close()
         if self.num_docs and not self.trained_tokens:
             self.abort()
             raise DataError(f"{self.out_path}: no assistant turn in any conversation of the input: fine-tuning "
                             f"trains on the assistant's replies")
         self.common["num_blocks"] = self.num_blocks
-        if self.num_docs:
-            os.replace(self.blocks_tmp, blocks_path(self.out_path))
         super().close()
-
-    def abort(self):
-        if self.blocks_file is not None:
-            self.blocks_file.close()
-        self.blocks_tmp.unlink(missing_ok=True)
-        super().abort()
 
 
 class ShardDirectory:
@@ -127,7 +143,7 @@ class ShardDirectory:
         self._check_plan({"inputs": [[p.name, p.stat().st_size] for _, p in inputs],
                           **{k: common[k] for k in SHARED_KEYS},
                           "shard_tokens": shard_tokens, "text_column": text_column})
-        self.file, self.parts, self.max_token_ids = None, [], {}
+        self.shard, self.parts, self.files, self.max_token_ids = None, [], [], {}
 
     def _check_plan(self, plan):
         path = self.prep / "plan.json"
@@ -159,18 +175,18 @@ class ShardDirectory:
         self._record(index).unlink(missing_ok=True)
         for stale in self.dir.glob(f"{index:05d}-*"):
             stale.unlink()
-        self.index, self.parts, self.file, self.max_token_ids = index, [], None, {}
+        self.index, self.parts, self.files, self.shard, self.max_token_ids = index, [], [], None, {}
 
     def write(self, tokens, doc_lens):
         while len(doc_lens):
-            if self.file is None:
+            if self.shard is None:
                 self._open_part()
             part, take_docs = self.parts[-1], len(doc_lens)
             if self.shard_tokens:  # up to the first document end at or past shard_tokens
                 ends = np.cumsum(doc_lens)
                 take_docs = min(take_docs, int(np.searchsorted(ends, self.shard_tokens - part["num_tokens"])) + 1)
             take = int(doc_lens[:take_docs].sum())
-            self.file.write(memoryview(np.ascontiguousarray(tokens[:take])))
+            self.shard.write(memoryview(np.ascontiguousarray(tokens[:take])))
             if take:
                 largest = self.max_token_ids.get(part["path"], -1)
                 self.max_token_ids[part["path"]] = max(largest, int(tokens[:take].max()))
@@ -178,38 +194,32 @@ class ShardDirectory:
             part["num_docs"] += take_docs
             tokens, doc_lens = tokens[take:], doc_lens[take_docs:]
             if self.shard_tokens and part["num_tokens"] >= self.shard_tokens:
-                self.file.close()
-                self.file = None
+                self.shard.close()
+                self.shard = None
 
     def _open_part(self):
         stem = f"{self.index:05d}-{self.inputs[self.index].stem}"
         name = f"{stem}-{len(self.parts):04d}.bin" if self.shard_tokens else f"{stem}.bin"
         self.parts.append({"path": name, "num_tokens": 0, "num_docs": 0})
-        self.file = open(self.dir / f"{name}.tmp", "wb")
+        self.shard = temp_file(self.dir / name, "the shard")
+        self.files.append(self.shard)
 
     def finish_input(self, index):
-        if self.file is not None:
-            self.file.close()
-            self.file = None
+        self.shard = None
         if not self.parts:
             raise DataError(f"{self.inputs[index]}: every non-blank line is bad, nothing to write; fix the "
                             f"file or leave it out of --data_path")
-        for part in self.parts:
-            final = self.dir / part["path"]
-            tmp = final.with_name(final.name + ".tmp")
-            write_meta(tmp, num_tokens=part["num_tokens"], num_docs=part["num_docs"],
-                       max_token_id=self.max_token_ids.get(part["path"], -1), **self.common)
-            os.replace(meta_path(tmp), meta_path(final))
-            os.replace(tmp, final)
+        for part, shard in zip(self.parts, list(self.files)):
+            largest = self.max_token_ids.get(part["path"], -1)
+            add_sidecar(self.files, shard, dict(num_tokens=part["num_tokens"], num_docs=part["num_docs"],
+                                                max_token_id=largest, **self.common))
+        commit_all(self.files)
+        self.files = []
         write_json_atomic(self._record(index), {"source": self.inputs[index].name, "shards": self.parts})
 
     def abort(self):
-        if self.file is not None:
-            self.file.close()
-        if self.parts:
-            for part in self.parts:
-                for leftover in (self.dir / f"{part['path']}.tmp", self.dir / f"{part['path']}.tmp.json"):
-                    leftover.unlink(missing_ok=True)
+        for f in self.files:
+            f.discard()
 
     def close(self):
         pass

@@ -39,7 +39,7 @@ from dataset.lm_dataset import iter_raw_lines, load_tokenizer
 from dataset.packed_dataset import DTYPES, dtype_for_vocab
 from dataset.sft_dataset import NEEDS as CONVERSATION_LINES
 from dataset.sources import TEXT_SUFFIXES, decode_record, is_parquet, read_chunks, resolve_data_paths
-from dataset.shard_output import SFTWriter, ShardDirectory, StreamWriter
+from dataset.shard_output import AFTER_A_FAILED_WRITE, SFTWriter, ShardDirectory, StreamWriter
 
 SHOW_BAD = 10  # how many bad locations to keep for the summary with --skip_bad_lines
 
@@ -111,11 +111,6 @@ def check_input(path, text_column):
         next(read_chunks(path, 1, text_column))
     else:
         next(iter_raw_lines(path))
-
-
-# What its line says to do, besides freeing space.
-AFTER_A_FAILED_WRITE = dict(elsewhere="pass another --out_path",
-                            then=", then run it again (a directory of shards keeps the files it finished)")
 
 
 def prepare(data_path, out_path, tokenizer_path=None, num_proc=None, skip_bad_lines=False,

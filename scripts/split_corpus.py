@@ -10,10 +10,10 @@ ordered by stdlib module, so a tail would be a few alphabetically-last modules (
 distribution shift, not a held-out sample), while a stride takes documents from
 across the whole corpus and needs no seed to be the same on every machine.
 Lines are copied byte for byte (prepare_data.py validates them later); blank lines
-are dropped. Each output is written to a temp file and renamed into place.
+are dropped. Both outputs are written to temp files and renamed into place once both
+are on disk (common/storage.py).
 """
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -21,6 +21,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from common.errors import DataError, report_user_errors  # noqa: E402
+from common.storage import AtomicFile  # noqa: E402
 from dataset.lm_dataset import iter_raw_lines  # noqa: E402
 
 
@@ -37,24 +38,19 @@ def split_corpus(data_path, train_out, val_out, every=50):
     if every < 2:
         raise DataError(f"--every must be at least 2 (1 would leave nothing to train on), got {every}")
     train_out, val_out = Path(train_out), Path(val_out)
-    tmp = {path: path.with_name(path.name + ".tmp") for path in (train_out, val_out)}
     counts = {train_out: 0, val_out: 0}
-    try:
-        for path in tmp:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp[train_out], "wb") as train_f, open(tmp[val_out], "wb") as val_f:
-            for i, (_, _, raw) in enumerate(iter_raw_lines(data_path)):
-                out, path = (val_f, val_out) if is_held_out(i, every) else (train_f, train_out)
-                out.write(raw if raw.endswith(b"\n") else raw + b"\n")
-                counts[path] += 1
+    for path in counts:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    with AtomicFile(train_out, "the training documents", elsewhere="pass another --train_out") as train, \
+            AtomicFile(val_out, "the held-out documents", elsewhere="pass another --val_out") as val:
+        for i, (_, _, raw) in enumerate(iter_raw_lines(data_path)):
+            out, path = (val, val_out) if is_held_out(i, every) else (train, train_out)
+            out.write(raw if raw.endswith(b"\n") else raw + b"\n")
+            counts[path] += 1
         if counts[val_out] == 0:
             raise DataError(f"{data_path}: only {counts[train_out]} documents, fewer than --every {every}: "
                             f"the validation file would be empty; lower --every")
-        for path, tmp_path in tmp.items():
-            os.replace(tmp_path, path)
-    finally:
-        for tmp_path in tmp.values():
-            tmp_path.unlink(missing_ok=True)
+        train.close()  # both on disk before either is renamed: a full disk leaves neither in place
     return counts[train_out], counts[val_out]
 
 

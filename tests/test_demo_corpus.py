@@ -53,8 +53,8 @@ def test_cli_with_modules_flag(tmp_path, capsys):
 
 
 def test_corpus_is_readable_by_others_under_the_umask(tmp_path):
-    """The temp file it renames into place starts private (mkstemp's 0600); the corpus must
-    end with the mode any file written under the process's umask gets."""
+    """Others who share the checkout or the cluster's disk read the corpus: it ends with the mode
+    any file written under the process's umask gets, not a private temp file's (mkstemp's 0600)."""
     old = os.umask(0o027)
     try:
         build_demo_corpus(tmp_path / "d.jsonl", modules=["json"], progress=False)

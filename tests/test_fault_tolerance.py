@@ -341,3 +341,34 @@ def test_a_rank_that_raises_ends_the_job_quickly_and_is_named(tmp_path):
     assert "RuntimeError: [fault injection] rank 1 raises at step 3" in out
     root_cause = out[out.index("Root Cause"):]
     assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", root_cause), out[-3000:]
+
+
+def _rank_of(pid: int) -> int:
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return int(next(v for v in environ if v.startswith(b"RANK=")).split(b"=", 1)[1])
+
+
+def test_a_hung_rank_leaves_torchrun_s_report_naming_the_waiting_rank_s_line(tmp_path):
+    """Rank 1 stops (SIGSTOP) after step 3, as a hung process does; rank 0 waits out --dist_timeout
+    in the next all-reduce and stops with its one line, which torchrun's failure report names as
+    the root cause from rank 0's error file, not "error_file: <N/A>"."""
+    args = [*TINY, *out_args(tmp_path), "--max_steps", "100000", "--save_interval", "100000",
+            "--dist_timeout", "10"]  # short, yet a loaded machine's start-up skew stays within it
+    job = _start(args, tmp_path)
+    _wait_for_step(job, tmp_path, 3)
+    [hung] = [pid for pid in children(job.proc.pid) if _rank_of(pid) == 1]
+    os.kill(hung, signal.SIGSTOP)
+    try:  # until torchrun stops the group: a stopped process acts on its SIGTERM only when killed, 30 s later
+        deadline = time.monotonic() + 120
+        while "closing signal" not in job.output() and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        os.kill(hung, signal.SIGKILL)
+    assert job.wait(60) not in (0, None)
+    out = job.output()
+    [line] = [line for line in out.splitlines() if line.startswith("error: lost a peer process")]
+    assert line.endswith("no torchrun restart is left (--max-restarts); relaunch with --from_resume 1"), line
+    root_cause = out[out.index("Root Cause"):]
+    assert re.search(r"rank\s*:\s*0 \(local_rank: 0\)", root_cause), out[-3000:]
+    assert re.search(r"error_file\s*:\s*/\S+", root_cause), out[-3000:]
+    assert re.search(rf"traceback\s*:\s*{re.escape(line)}\n", root_cause), out[-3000:]

@@ -2,7 +2,8 @@
 start-up, decides which rank misbehaves at which step, a restarted group runs clean, and a run
 without it runs the trainer's own functions. And DataLoader workers: the longest temp folder
 they can work in, and a worker that stops delivering ends the rank instead of hanging it. And
-what the launched tests count as a worker's traceback."""
+what the launched tests count as a worker's traceback. And a one-line stop's line in torchrun's
+error file."""
 import math
 import os
 import signal
@@ -166,6 +167,48 @@ def test_the_stalled_rank_itself_prints_the_line_and_exits_1(tmp_path):
     """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and result.stderr.strip() == "error: rank 1: no batch from its DataLoader worker"
+
+
+def _bad_flag():
+    from common.cli import OneLineArgumentParser
+
+    parser = OneLineArgumentParser(prog="train_pretrain.py")
+    parser.add_argument("--max_steps", type=int)
+    parser.parse_args(["--max_steps", "ten"])
+
+
+def _script_user_error():
+    from common.errors import DataError, report_user_errors
+
+    @report_user_errors
+    def main():
+        raise DataError("corpus.jsonl:3: not JSON; fix that line")
+    main()
+
+
+def _stalled_rank(monkeypatch):
+    from trainer.distributed import fail
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    fail("rank 1: no batch from its DataLoader worker", code=1, this_rank_only=True)
+
+
+@pytest.mark.parametrize("stop", ["bad flag", "script", "stalled rank"])
+def test_a_one_line_stop_gives_its_line_to_torchrun_s_report(tmp_path, monkeypatch, capsys, stop):
+    """Under torchrun (TORCHELASTIC_ERROR_FILE set), the line goes to this worker's error file too,
+    read here as torchrun reads it: its failure report then shows the line, not "<N/A>" (the lost
+    peer's line, under a real torchrun: test_fault_tolerance.py)."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    stops = {"bad flag": _bad_flag, "script": _script_user_error, "stalled rank": lambda: _stalled_rank(monkeypatch)}
+    with pytest.raises(SystemExit):
+        stops[stop]()
+    [line] = capsys.readouterr().err.splitlines()
+    assert "error: " in line
+    assert ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(error_file)).message == line
 
 
 @pytest.mark.parametrize("extra, works", [(0, True), (1, False)])

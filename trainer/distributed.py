@@ -4,7 +4,6 @@ is spread over the ranks (DDP: a full replica each; FSDP2: parameters, gradients
 state sharded), and exiting every rank promptly on a user error or a lost peer."""
 import gc
 import inspect
-import json
 import os
 import re
 import socket
@@ -17,9 +16,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from common.errors import say_error, tell_torchrun
 from trainer.device import launcher_local_rank, resolve_device
 
 
@@ -199,7 +200,11 @@ def exit_peer_lost(exc: BaseException, resumes: bool):
     """Say in one line that a peer is gone and what happens next, then exit non-zero:
     one line instead of a gloo/NCCL stack trace on every surviving rank. The teardown
     is the one a failed rank does (no barrier), which also gives the rank that failed
-    the time to exit first, so torchrun names it as the root cause."""
+    the time to exit first, so torchrun names it as the root cause. Every rank gives the
+    line to torchrun's report (the ranks that keep quiet too: which of them exits first is
+    chance), and only after the teardown: a peer that failed gave its own failure earlier
+    and stays the root cause; a peer that hangs fails only when torchrun stops it, so this
+    line is the root cause then."""
     reason = re.sub(r"^\[[^\]]*\]\s*", "", str(exc).strip()).split("\n")[0].split(". ")[0][:160]
     restarts_left = (int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
                      - int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
@@ -209,10 +214,25 @@ def exit_peer_lost(exc: BaseException, resumes: bool):
         then = "torchrun restarts the group with the processes left and it resumes from the last checkpoint"
     else:
         then = "torchrun restarts the group with the processes left, from step 0 (pass --from_resume 1 to resume)"
+    line = f"error: lost a peer process ({reason}); {then}"
     if is_main_process() or os.environ.get("LOCAL_RANK") == "0":
-        print(f"error: lost a peer process ({reason}); {then}", file=sys.stderr, flush=True)
+        print(line, file=sys.stderr, flush=True)
     cleanup_distributed(clean=False)
+    tell_torchrun(line)
     sys.exit(1)
+
+
+def teardown_after_crash(exc: BaseException):
+    """The teardown after an exception that no one turned into a line (the caller re-raises
+    it), its traceback first given to torchrun's report, as torch's @record would: the peers
+    notice this rank is gone only at the teardown, so this failure is stamped before their
+    "lost a peer" lines and stays the root cause."""
+    if isinstance(exc, Exception):
+        try:
+            ErrorHandler().record_exception(exc)
+        except OSError:
+            pass  # the traceback is on stderr anyway
+    cleanup_distributed(clean=False)
 
 
 def Logger(*content, **kwargs):
@@ -221,32 +241,20 @@ def Logger(*content, **kwargs):
         print(*content, **kwargs, flush=True)
 
 
-def tell_torchrun(line: str):
-    """Under torchrun, the line its failure report shows for this rank (TORCHELASTIC_ERROR_FILE, in
-    the form its ErrorHandler writes): the rank that fails first is the root cause it names."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path:
-        try:
-            with open(path, "w") as f:
-                json.dump({"message": line, "timestamp": int(time.time())}, f)
-        except OSError:
-            pass  # the line is on stderr already
-
-
 def fail(message: str, code: int = 2, this_rank_only: bool = False):
     """Report a problem in one line and exit non-zero.
 
     A problem every rank meets (bad flags, bad data): rank 0 prints it, and so does the
     first process of every other node, since a problem can be local to a node (a file
     missing there). The rest wait a moment before exiting: torchrun tears the whole
-    group down when any rank exits, and rank 0 must get its line out first.
+    group down when any rank exits, and rank 0 must get its line out first; its failure,
+    the first, is the root cause torchrun's report names, with the line.
     `this_rank_only`: a problem of this rank alone, which then says it itself.
     """
     # Before the process group exists (flag checks come first) the launcher's RANK says who speaks.
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
     if rank == 0 or os.environ.get("LOCAL_RANK") == "0" or this_rank_only:
-        print(f"error: {message}", file=sys.stderr, flush=True)
-        tell_torchrun(f"error: {message}")
+        say_error(f"error: {message}")
     else:
         time.sleep(1.0)
     cleanup_distributed(clean=False)

@@ -37,7 +37,7 @@ from trainer.data import (
 from trainer.device import autocast, configure_cuda, resolve_device
 from trainer.distributed import (
     TORCH_COLLECTIVES, Logger, barrier, cleanup_distributed, exit_peer_lost, fail, init_distributed_mode,
-    is_main_process, local_state_mib, peer_lost, replica_group, wrap_model,
+    is_main_process, local_state_mib, peer_lost, replica_group, teardown_after_crash, wrap_model,
 )
 from trainer.evaluate import encode_task, load_task, validate
 from trainer.metrics import Profiling, RunLogger, Throughput, device_peak_flops, flops_per_token
@@ -362,7 +362,7 @@ def run(stage: Stage, argv=None):
     except BaseException as exc:
         if env.distributed and peer_lost(exc):
             exit_peer_lost(exc, bool(cfg.output.from_resume))
-        cleanup_distributed(clean=False)
+        teardown_after_crash(exc)
         raise
     cleanup_distributed(clean=True)
     sys.exit(exit_code)
