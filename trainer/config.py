@@ -35,6 +35,7 @@ from model.shape_flags import FLAG_DEFAULTS
 from trainer.device import detect_dtype, detect_optimizer
 from trainer.distributed import Logger
 from trainer.metrics import muon_flop_share
+from trainer.schedule import SCHEDULES
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # MiniMind's own flags (its trainer/train_pretrain.py): a public interface, same names, same meanings.
@@ -80,7 +81,7 @@ class OptimConfig:
                              check=at_least(0))
     lr_schedule: str = flag("auto", "after the warmup: cosine decay to the floor at the last step (MiniMind's); wsd: "
                             "the peak until the last --cooldown_frac of the run, then linear to the floor; auto: wsd",
-                            choices=("auto", "cosine", "wsd"))
+                            choices=("auto", *SCHEDULES))
     cooldown_frac: float = flag(0.2, "wsd: the share of the run its linear cooldown to the floor takes",
                                 check=share("the share of the run the wsd cooldown takes, e.g. 0.2"))
     min_lr_frac: float = flag(0.1, "the floor of either schedule, a share of each group's peak lr",

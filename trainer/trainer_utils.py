@@ -2,7 +2,7 @@
 get_lr, Logger, is_main_process, init_distributed_mode, setup_seed, init_model and
 lm_checkpoint. As in MiniMind, the seeding and the model's construction (its config, its first
 weights, its initialisation) are defined here, and the loop builds its model with them; the
-rest are defined where their concept lives (the schedule in trainer/optim.py, the process group
+rest are defined where their concept lives (the cosine schedule in trainer/schedule.py, the process group
 in trainer/distributed.py, checkpoints in trainer/checkpoint.py) and exported here by name, the
 very functions the trainer uses (tests/test_trainer_utils.py fails otherwise). Only
 trainer/loop.py imports this module, so there is no cycle."""
@@ -20,7 +20,7 @@ from model.weights import build_model, load_weights, read_sidecar
 from trainer.checkpoint import CheckpointManager
 from trainer.config import run_prefix, weights_path
 from trainer.distributed import Logger, init_distributed_mode, is_main_process
-from trainer.optim import get_lr
+from trainer.schedule import get_lr
 from trainer.train_state import ModelState
 
 __all__ = ["get_lr", "Logger", "is_main_process", "init_distributed_mode", "setup_seed", "init_model",
