@@ -10,7 +10,8 @@ environment the test gives its run plans it:
 
 The trainer has no hooks for this: install() wraps two of its functions in the process it
 runs in, the loop's set_lr (called once before every optimizer step, with the step) and the
-model's loss. A run reaches install() whatever its launch: a launched process through
+step's training_loss (trainer/step.py: the one function that assembles the loss a step
+trains on). A run reaches install() whatever its launch: a launched process through
 tests/inject/sitecustomize.py (fault_env puts that folder first on PYTHONPATH), a forked
 rank (tests/forked_ranks.py) and an in-process run (tests/jobs.py) by calling it. A fault
 fires only in the first attempt of a torchrun group (TORCHELASTIC_RESTART_COUNT 0 or
@@ -67,24 +68,26 @@ class FaultPlan:
 
 
 def install(plan: FaultPlan):
-    """Wrap the loop's set_lr and the model's loss to carry out `plan`; returns the undo."""
-    import model.model_minimind as model_module
+    """Wrap the loop's set_lr and the step's training loss to carry out `plan`; returns the undo."""
     import trainer.loop as loop
+    import trainer.step as step_module
 
-    set_lr, loss = loop.set_lr, model_module.causal_lm_loss
+    set_lr, loss = loop.set_lr, step_module.training_loss
 
     def set_lr_then_fault(optimizer, optim, step, total_steps):
         plan.before_step(step)
         return set_lr(optimizer, optim, step, total_steps)
 
     def poisoned_loss(*args, **kwargs):
-        value = loss(*args, **kwargs)
-        return value * math.nan if plan.poisoned else value
+        total, parts = loss(*args, **kwargs)
+        if not plan.poisoned:
+            return total, parts
+        return total * math.nan, {name: part * math.nan for name, part in parts.items()}
 
-    loop.set_lr, model_module.causal_lm_loss = set_lr_then_fault, poisoned_loss
+    loop.set_lr, step_module.training_loss = set_lr_then_fault, poisoned_loss
 
     def undo():
-        loop.set_lr, model_module.causal_lm_loss = set_lr, loss
+        loop.set_lr, step_module.training_loss = set_lr, loss
     return undo
 
 
