@@ -122,7 +122,7 @@ def test_the_flag_offers_the_tables_schedules_and_nothing_else(capsys):
     from trainer.schedule import SCHEDULES
 
     flag = next(a for a in build_parser()._actions if "--lr_schedule" in a.option_strings)
-    assert tuple(flag.choices) == ("auto", *SCHEDULES) and set(SCHEDULES) == {"cosine", "wsd"}
+    assert tuple(flag.choices) == ("auto", *SCHEDULES) and {"cosine", "wsd"} <= set(SCHEDULES)
     with pytest.raises(SystemExit):
         parse_config(["--lr_schedule", "linear"])
     error = capsys.readouterr().err
@@ -137,8 +137,9 @@ def test_set_lr_takes_the_schedule_from_the_table_and_refuses_an_unknown_name(mo
 
     opt = build_optimizer(tiny_model(), optim())
     for name in ("linear", "auto"):
-        with pytest.raises(UserError, match=f"^--lr_schedule {name}: no such schedule \\(one of cosine, wsd\\)$"):
+        with pytest.raises(UserError) as info:
             set_lr(opt, optim(lr_schedule=name), 0, 100)
+        assert str(info.value) == f"--lr_schedule {name}: no such schedule (one of {', '.join(schedule.SCHEDULES)})"
     monkeypatch.setitem(schedule.SCHEDULES, "half", lambda step, total, lr, optim: lr / 2)
     assert set_lr(opt, optim(lr_schedule="half", learning_rate=1e-3), 7, 100) == {"decay": 5e-4, "no_decay": 5e-4}
 
