@@ -256,5 +256,5 @@ def test_a_global_batch_without_a_reply_has_a_zero_loss_not_nan():
     before = [p.detach().clone() for p in model.parameters()]
     result = optimizer_step(context, [(ids, torch.full_like(ids, -100), starts)])
     assert not result.skipped
-    assert {name: figure.item() for name, figure in result.figures.items()} == {"tokens": 0, "loss": 0, "aux_loss": 0}
+    assert "loss" in result.figures and all(figure.item() == 0 for figure in result.figures.values()), result.figures
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))  # SGD on zero gradients
