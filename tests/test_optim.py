@@ -104,9 +104,15 @@ def test_wsd_and_cosine_hand_computed():
 
 
 def test_the_cosine_schedule_is_minimind_get_lr():
-    """--min_lr_frac 0.1 is get_lr's own floor: --lr_schedule cosine, at the other defaults, is
-    get_lr's to the bit, for every group from its own peak."""
-    from trainer.schedule import get_lr
+    """get_lr (trainer_utils.py's name for cosine_lr) is MiniMind's formula to float rounding, and
+    --min_lr_frac 0.1 is its floor: --lr_schedule cosine, at the other defaults, is get_lr's to
+    the bit, for every group from its own peak."""
+    from trainer.trainer_utils import get_lr
+
+    def minimind_get_lr(current_step, total_steps, lr):  # MiniMind's trainer/trainer_utils.py
+        return lr * (0.1 + 0.45 * (1 + math.cos(math.pi * current_step / total_steps)))
+    for step in (0, 21, 50, 99, 100):
+        assert get_lr(step, 100, 5e-4) == pytest.approx(minimind_get_lr(step, 100, 5e-4), rel=1e-15, abs=0)
 
     cfg = optim(optimizer="muon", lr_schedule="cosine")
     assert (cfg.min_lr_frac, cfg.learning_rate, cfg.warmup_steps) == (0.1, 3e-3, 10)

@@ -13,14 +13,12 @@ from common.errors import UserError
 def cosine_lr(current_step: int, total_steps: int, lr: float, warmup_steps: int = 0,
               min_lr_frac: float = 0.1) -> float:
     """Linear warmup to `lr`, then cosine decay to `min_lr_frac * lr` at `total_steps`. Without
-    warmup and at the default floor this is MiniMind's get_lr, to the bit."""
+    warmup and at the default floor this is MiniMind's get_lr, to float rounding (it takes the
+    cosine of pi times the progress, MiniMind of pi times the step, over the total)."""
     if current_step < warmup_steps:
         return lr * (current_step + 1) / warmup_steps
     progress = min(1.0, (current_step - warmup_steps) / max(1, total_steps - warmup_steps))
     return lr * (min_lr_frac + (1 - min_lr_frac) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-get_lr = cosine_lr  # MiniMind's name (trainer/trainer_utils.py exports it)
 
 
 def wsd_lr(current_step: int, total_steps: int, lr: float, warmup_steps: int = 0, cooldown_frac: float = 0.2,

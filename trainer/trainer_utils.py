@@ -27,7 +27,7 @@ from model.weights import build_model, load_weights, read_sidecar
 from trainer.checkpoint import CheckpointManager
 from trainer.config import run_prefix, weights_path
 from trainer.distributed import Logger, init_distributed_mode, is_main_process
-from trainer.schedule import get_lr
+from trainer.schedule import cosine_lr as get_lr  # MiniMind's name for it
 from trainer.train_state import ModelState
 
 __all__ = ["get_lr", "Logger", "is_main_process", "init_distributed_mode", "setup_seed", "init_model",
