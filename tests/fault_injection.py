@@ -13,8 +13,9 @@ environment the test gives its run plans it:
                                         renamed into place, so these are all the points it can stop at)
 
 The trainer has no hooks for this: install() wraps its functions in the process it runs in: the
-loop's set_lr (called once before every optimizer step, with the step), the model's loss, and
-for a save, the checkpoint manager's save and os.replace. A run reaches install() whatever its launch: a launched process through
+loop's set_lr (called once before every optimizer step, with the step), the step's training_loss
+(trainer/step.py: the one function that assembles the loss a step trains on), and for a save,
+the checkpoint manager's save and os.replace. A run reaches install() whatever its launch: a launched process through
 tests/inject/sitecustomize.py (fault_env puts that folder first on PYTHONPATH), a forked
 rank (tests/forked_ranks.py) and an in-process run (tests/jobs.py) by calling it. A fault
 fires only in the first attempt of a torchrun group (TORCHELASTIC_RESTART_COUNT 0 or
@@ -83,12 +84,12 @@ class FaultPlan:
 
 
 def install(plan: FaultPlan):
-    """Wrap the loop's set_lr, the model's loss and a save's renames to carry out `plan`; returns the undo."""
-    import model.model_minimind as model_module
+    """Wrap the loop's set_lr, the step's training loss and a save's renames to carry out `plan`; returns the undo."""
     import trainer.loop as loop
+    import trainer.step as step_module
     from trainer.checkpoint import CheckpointManager
 
-    set_lr, loss = loop.set_lr, model_module.causal_lm_loss
+    set_lr, loss = loop.set_lr, step_module.training_loss
     save, replace = CheckpointManager.save, os.replace
 
     def save_to_kill_in(manager, global_step):
@@ -107,13 +108,15 @@ def install(plan: FaultPlan):
         return set_lr(optimizer, optim, step, total_steps)
 
     def poisoned_loss(*args, **kwargs):
-        value = loss(*args, **kwargs)
-        return value * math.nan if plan.poisoned else value
+        total, parts = loss(*args, **kwargs)
+        if not plan.poisoned:
+            return total, parts
+        return total * math.nan, {name: part * math.nan for name, part in parts.items()}
 
-    loop.set_lr, model_module.causal_lm_loss = set_lr_then_fault, poisoned_loss
+    loop.set_lr, step_module.training_loss = set_lr_then_fault, poisoned_loss
 
     def undo():
-        loop.set_lr, model_module.causal_lm_loss = set_lr, loss
+        loop.set_lr, step_module.training_loss = set_lr, loss
         CheckpointManager.save, os.replace = save, replace
     return undo
 

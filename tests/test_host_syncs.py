@@ -1,6 +1,6 @@
 """The real training loop reads the device from the host at most once per optimizer step.
 
-On a GPU every such read (`.item()`, `bool(t)`, `float(t)`: aten._local_scalar_dense)
+On a GPU every such read (`.item()`, `bool(t)`, `float(t)`: aten._local_scalar_dense; `.tolist()`)
 waits until the queued kernels have run, so the host cannot queue the next step
 meanwhile. The loop runs in this process under a dispatch mode that counts those
 reads; a 10-step and a 30-step run differ only by 20 steps that neither log, save
@@ -18,7 +18,7 @@ from tests.tiny import small_corpus
 from trainer.config import parse_config
 from trainer.distributed import init_distributed_mode
 from trainer.loop import train
-from trainer.step import read_flags
+from trainer.step import agree
 from trainer.train_pretrain import PRETRAIN
 
 FAR = "1000"  # log, save and eval intervals beyond the run: only the last step does them
@@ -52,7 +52,24 @@ def test_at_most_one_host_read_per_optimizer_step(corpora, tmp_path, kind):
     assert (long - short) / 20 <= 1, f"{(long - short) / 20:.2f} host reads per optimizer step"
 
 
-def test_read_flags_decodes_every_combination():
+def test_one_all_reduce_sums_the_figures_and_one_read_answers_the_questions():
+    """agree() (trainer/step.py) answers every combination of yes and no, given as bools or device
+    scalars (a count above 0 is yes), in one host read, and leaves the figures on the device."""
+    figures = {"loss": torch.tensor(3.5), "aux_loss": torch.tensor(0.25)}
     for code in range(8):
-        flags = torch.tensor([float(code >> i & 1) * (i + 1) for i in range(3)])
-        assert read_flags(flags) == [bool(code >> i & 1) for i in range(3)]
+        questions = {"bad_loss": torch.tensor(float(code & 1) * 3), "bad_grad": torch.tensor(float(code >> 1 & 1)),
+                     "stop": bool(code >> 2 & 1)}
+        with CountHostReads() as counter:
+            summed, answers = agree(figures, questions)
+        assert counter.reads == 1
+        assert answers == {"bad_loss": bool(code & 1), "bad_grad": bool(code >> 1 & 1), "stop": bool(code >> 2 & 1)}
+        assert {name: value.item() for name, value in summed.items()} == {"loss": 3.5, "aux_loss": 0.25}
+
+
+def test_tolist_counts_as_a_host_read_and_is_put_back():
+    tolist = torch.Tensor.tolist
+    with CountHostReads() as counter:
+        assert torch.arange(3).tolist() == [0, 1, 2]
+        torch.ones(()).item()
+    assert counter.reads == 2
+    assert torch.Tensor.tolist is tolist

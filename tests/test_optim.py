@@ -90,11 +90,11 @@ def test_wsd_and_cosine_hand_computed():
     the peak to step 80, then linear: step 90 is half-way, 1 - 0.9 * 0.5 = 0.55; step 99 is
     1 - 0.9 * 19 / 20 = 0.145; the floor at step 100. Cosine with floor 0.2: half-way through
     its 90 decaying steps (step 55) 0.2 + 0.8 * 0.5 = 0.6."""
-    from trainer.optim import get_lr, wsd_lr
+    from trainer.schedule import cosine_lr, wsd_lr
 
     by_step = {0: 0.1, 9: 1.0, 10: 1.0, 50: 1.0, 80: 1.0, 90: 0.55, 99: 0.145, 100: 0.1}
     assert {step: wsd_lr(step, 100, 1.0, 10, 0.2, 0.1) for step in by_step} == pytest.approx(by_step)
-    assert [get_lr(step, 100, 1.0, 10, 0.2) for step in (9, 10, 55, 100)] == pytest.approx([1.0, 1.0, 0.6, 0.2])
+    assert [cosine_lr(step, 100, 1.0, 10, 0.2) for step in (9, 10, 55, 100)] == pytest.approx([1.0, 1.0, 0.6, 0.2])
     # The cooldown never starts inside the warmup: 10 steps, 5 of warmup, cooldown 0.9 -> from step 5.
     assert [wsd_lr(step, 10, 1.0, 5, 0.9, 0.1) for step in (4, 5, 7)] == pytest.approx([1.0, 1.0, 1 - 0.9 * 2 / 5])
     # set_lr takes the config's kind, warmup, cooldown and floor
@@ -104,9 +104,15 @@ def test_wsd_and_cosine_hand_computed():
 
 
 def test_the_cosine_schedule_is_minimind_get_lr():
-    """--min_lr_frac 0.1 is get_lr's own floor: --lr_schedule cosine, at the other defaults, is
-    get_lr's to the bit, for every group from its own peak."""
-    from trainer.optim import get_lr
+    """get_lr (trainer_utils.py's name for cosine_lr) is MiniMind's formula to float rounding, and
+    --min_lr_frac 0.1 is its floor: --lr_schedule cosine, at the other defaults, is get_lr's to
+    the bit, for every group from its own peak."""
+    from trainer.trainer_utils import get_lr
+
+    def minimind_get_lr(current_step, total_steps, lr):  # MiniMind's trainer/trainer_utils.py
+        return lr * (0.1 + 0.45 * (1 + math.cos(math.pi * current_step / total_steps)))
+    for step in (0, 21, 50, 99, 100):
+        assert get_lr(step, 100, 5e-4) == pytest.approx(minimind_get_lr(step, 100, 5e-4), rel=1e-15, abs=0)
 
     cfg = optim(optimizer="muon", lr_schedule="cosine")
     assert (cfg.min_lr_frac, cfg.learning_rate, cfg.warmup_steps) == (0.1, 3e-3, 10)
@@ -114,6 +120,34 @@ def test_the_cosine_schedule_is_minimind_get_lr():
     for step in (0, 5, 10, 37, 99, 100):
         lrs = set_lr(opt, cfg, step, 100)
         assert lrs["decay"] == get_lr(step, 100, 3e-3, 10) and lrs["muon"] == get_lr(step, 100, 0.02, 10)
+
+
+def test_the_flag_offers_the_tables_schedules_and_nothing_else(capsys):
+    """--lr_schedule's choices are SCHEDULES' names and auto; another name stops the parser in one line."""
+    from trainer.config import build_parser
+    from trainer.schedule import SCHEDULES
+
+    flag = next(a for a in build_parser()._actions if "--lr_schedule" in a.option_strings)
+    assert tuple(flag.choices) == ("auto", *SCHEDULES) and {"cosine", "wsd"} <= set(SCHEDULES)
+    with pytest.raises(SystemExit):
+        parse_config(["--lr_schedule", "none_such"])
+    error = capsys.readouterr().err
+    assert "--lr_schedule: invalid choice: 'none_such'" in error and error.count("\n") == 1
+
+
+def test_set_lr_takes_the_schedule_from_the_table_and_refuses_an_unknown_name(monkeypatch):
+    """A config built in code bypasses the parser: an unknown (or unresolved auto) schedule is a
+    one-line UserError, never a silent cosine; an entry added to the table is followed as it is."""
+    from common.errors import UserError
+    from trainer import schedule
+
+    opt = build_optimizer(tiny_model(), optim())
+    for name in ("none_such", "auto"):
+        with pytest.raises(UserError) as info:
+            set_lr(opt, optim(lr_schedule=name), 0, 100)
+        assert str(info.value) == f"--lr_schedule {name}: no such schedule (one of {', '.join(schedule.SCHEDULES)})"
+    monkeypatch.setitem(schedule.SCHEDULES, "half", lambda step, total, lr, optim: lr / 2)
+    assert set_lr(opt, optim(lr_schedule="half", learning_rate=1e-3), 7, 100) == {"decay": 5e-4, "no_decay": 5e-4}
 
 
 def test_the_start_up_line_names_each_group_and_the_schedule():

@@ -25,14 +25,19 @@ from trainer.data import MAX_WORKER_TMPDIR, LoaderStalled, check_worker_tmpdir, 
 
 
 def poisoned(plan, steps) -> list[bool]:
-    """Whether the plan makes each step's loss NaN, through the loss install() wraps."""
-    import model.model_minimind as model_module
+    """Whether the plan makes each step's loss NaN (the total and every part), through the loss
+    install() wraps."""
+    import trainer.step as step_module
+    from model.model_minimind import MiniMindOutput
 
     undo, out = install(plan), []
     try:
         for step in range(steps):
             plan.before_step(step)
-            out.append(math.isnan(model_module.causal_lm_loss(torch.zeros(1, 2, 3), torch.ones(1, 2).long()).item()))
+            total, parts = step_module.training_loss(MiniMindOutput(loss=torch.ones(()), aux_loss=torch.zeros(())), 2)
+            nan = [math.isnan(t.item()) for t in (total, *parts.values())]
+            assert len(set(nan)) == 1, nan
+            out.append(nan[0])
     finally:
         undo()
     return out
@@ -54,15 +59,15 @@ def test_fault_plan_is_read_once_and_fires_only_where_planned(monkeypatch):
 
 
 def test_faults_wrap_the_trainers_functions_only_where_planned_and_undo_restores_them():
-    import model.model_minimind as model_module
     import trainer.loop as loop
+    import trainer.step as step_module
 
-    own = loop.set_lr, model_module.causal_lm_loss
+    own = loop.set_lr, step_module.training_loss
     assert install_from_env({}) is None  # no plan: nothing wrapped
     undo = install_from_env(fault("raise", at=2))
-    assert (loop.set_lr, model_module.causal_lm_loss) != own
+    assert loop.set_lr is not own[0] and step_module.training_loss is not own[1]
     undo()
-    assert (loop.set_lr, model_module.causal_lm_loss) == own
+    assert (loop.set_lr, step_module.training_loss) == own
 
 
 class Stalls(Dataset):

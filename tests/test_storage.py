@@ -87,7 +87,7 @@ def test_the_metrics_file_on_a_full_disk_costs_a_warning_not_the_run(tmp_path, s
         log = RunLogger(str(disk.path / "metrics.jsonl"), output, PREFIX, state, {}, True, TrainClock())
         disk.fill(leave=0)
         for step in (1, 2):
-            log.log_train(step, 0, 5.0, 0.0, {"decay": 1e-3}, 100 * step, 1000.0, 900.0, None)
+            log.log_train(step, 0, {"loss": 5.0, "aux_loss": 0.0}, {"decay": 1e-3}, 100 * step, 1000.0, 900.0, None)
     out = capsys.readouterr().out
     assert out.count("warning: cannot write the metrics") == 1 and "training goes on" in out
     assert out.count("epoch 1/1 step") == 2  # the log lines, every one

@@ -8,11 +8,12 @@ from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.jobs import run_trainer
 from tests.run_outputs import checkpoint_name, latest_checkpoint, out_args
 from tests.tiny import TINY
-from trainer import loop, optim, trainer_utils
+from trainer import loop, schedule, trainer_utils
 from trainer.trainer_utils import lm_checkpoint
 
-# entry point: the module whose global the trainer calls it through
-WHERE_THE_TRAINER_LOOKS = {"get_lr": optim, "lm_checkpoint": None}
+# entry point: (the module whose global the trainer calls it through, that global's name);
+# get_lr is MiniMind's name for the cosine schedule, which the trainer calls as cosine_lr
+WHERE_THE_TRAINER_LOOKS = {"get_lr": (schedule, "cosine_lr"), "lm_checkpoint": None}
 
 
 def test_every_entry_point_is_the_one_the_trainer_calls(tmp_path, monkeypatch):
@@ -21,19 +22,20 @@ def test_every_entry_point_is_the_one_the_trainer_calls(tmp_path, monkeypatch):
     get_lr is MiniMind's cosine, so the run takes --lr_schedule cosine (a new run's default is wsd)."""
     calls = {}
     for name in trainer_utils.__all__:
-        owner = WHERE_THE_TRAINER_LOOKS.get(name, loop)
-        if owner is None:
+        where = WHERE_THE_TRAINER_LOOKS.get(name, (loop, name))
+        if where is None:
             continue  # lm_checkpoint: the round trips below
-        function = getattr(owner, name)
-        assert function is getattr(trainer_utils, name), f"trainer_utils.{name} is not the trainer's {name}"
+        owner, looked_up = where
+        function = getattr(owner, looked_up)
+        assert function is getattr(trainer_utils, name), f"trainer_utils.{name} is not the trainer's {looked_up}"
 
         def spy(*args, _function=function, _name=name, **kwargs):
             calls[_name] = calls.get(_name, 0) + 1
             return _function(*args, **kwargs)
-        monkeypatch.setattr(owner, name, spy)
+        monkeypatch.setattr(owner, looked_up, spy)
     run = run_trainer([*TINY, *out_args(tmp_path), "--max_steps", "2", "--lr_schedule", "cosine"], tmp_path)
     assert run.returncode == 0, run.stdout[-3000:]
-    expected = [n for n in trainer_utils.__all__ if WHERE_THE_TRAINER_LOOKS.get(n, loop) is not None]
+    expected = [n for n in trainer_utils.__all__ if WHERE_THE_TRAINER_LOOKS.get(n, ()) is not None]
     assert sorted(calls) == sorted(expected), f"never called by the trainer: {set(expected) - set(calls)}"
 
 

@@ -36,6 +36,7 @@ from common.errors import UserError
 from dataset.demo_corpus import DEMO_CORPUS
 from model.model_minimind import SHAPE_FIELDS
 from model.shape_flags import flag_default
+from trainer.schedule import SCHEDULES
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # MiniMind's own flags (its trainer/train_pretrain.py): a public interface, same names, same meanings.
@@ -77,7 +78,7 @@ class OptimConfig:
                              check=at_least(0))
     lr_schedule: str = flag("auto", "after the warmup: cosine decay to the floor at the last step (MiniMind's); wsd: "
                             "the peak until the last --cooldown_frac of the run, then linear to the floor; auto: wsd",
-                            choices=("auto", "cosine", "wsd"))
+                            choices=("auto", *SCHEDULES))
     cooldown_frac: float = flag(0.2, "wsd: the share of the run its linear cooldown to the floor takes",
                                 check=share("the share of the run the wsd cooldown takes, e.g. 0.2"))
     min_lr_frac: float = flag(0.1, "the floor of either schedule, a share of each group's peak lr",

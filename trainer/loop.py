@@ -142,7 +142,7 @@ def train(cfg: TrainConfig, typed: frozenset, env, stage: Stage) -> int:
             step = state.global_step
             if profiling:
                 profiling.step_ended(step)
-            state.unread_tokens += result.stats[2]  # on the device, read on steps that read it anyway
+            state.unread_tokens += result.figures["tokens"]  # on the device, read on steps that read it anyway
             totals.add(result)
             bad_steps = count_bad_step(result.skipped, bad_steps, step, cfg.optim.max_bad_steps)
 
@@ -154,10 +154,10 @@ def train(cfg: TrainConfig, typed: frozenset, env, stage: Stage) -> int:
             if log_now or eval_now:
                 state.read_tokens()
             if log_now:
-                loss, aux = totals.take_window()
+                losses = totals.take_window()
                 tok_s, real_tok_s = throughput.report(step, state.tokens_seen)
                 mfu = flops_token * tok_s / env.world_size / peak_flops if peak_flops else None
-                log.log_train(step, epoch, loss, aux, lrs, state.tokens_seen, tok_s, real_tok_s, mfu)
+                log.log_train(step, epoch, losses, lrs, state.tokens_seen, tok_s, real_tok_s, mfu)
             if eval_now or save_now:
                 with clock.paused():  # tokens/s, MFU and train_s count training time only
                     if eval_now:

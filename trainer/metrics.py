@@ -189,23 +189,26 @@ class RunLogger:
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=row["step"])
 
-    def log_train(self, step: int, epoch: int, loss: float, aux: float, lrs: dict, tokens_seen: int,
+    def log_train(self, step: int, epoch: int, losses: dict, lrs: dict, tokens_seen: int,
                   tok_s: float, real_tok_s: float, mfu: float | None):
-        """One training line and row: "lr" in the row is the first group's, "lr_<name>" each group's."""
+        """One training line and row: `losses` are the training loss's parts by name (trainer/step.py's
+        StepTotals), each in the row and the line under its name; "lr" in the row is the first
+        group's, "lr_<name>" each group's."""
         if not self.enabled:
             return
         memory = peak_memory_mib(self.device)
         self.bar.update(step - self.bar.n)  # moved at log steps only, as the log line
-        row = {"kind": "train", "step": step, "epoch": epoch, "tokens_seen": tokens_seen, "loss": loss,
-               "aux_loss": aux, "lr": next(iter(lrs.values())), **{f"lr_{k}": v for k, v in lrs.items()},
+        row = {"kind": "train", "step": step, "epoch": epoch, "tokens_seen": tokens_seen, **losses,
+               "lr": next(iter(lrs.values())), **{f"lr_{k}": v for k, v in lrs.items()},
                "tokens_per_s": tok_s, "nonpad_tokens_per_s": real_tok_s, "peak_mem_mib": memory}
+        loss_text = " ".join(f"{name} {value:.4f}" for name, value in losses.items())
         lr_text = " ".join(f"{k}={v:.2e}" for k, v in lrs.items())
         mfu_text = ""
         if mfu is not None:
             row["mfu"] = mfu
             mfu_text = f" mfu {mfu:.1%}"
-        self.log(row, f"epoch {epoch + 1}/{self.epochs} step {step}/{self.total_steps} loss {loss:.4f} "
-                      f"aux {aux:.4f} lr {lr_text} tok/s {tok_s:,.0f} (non-pad {real_tok_s:,.0f}){mfu_text} "
+        self.log(row, f"epoch {epoch + 1}/{self.epochs} step {step}/{self.total_steps} {loss_text} "
+                      f"lr {lr_text} tok/s {tok_s:,.0f} (non-pad {real_tok_s:,.0f}){mfu_text} "
                       f"mem {memory:,.0f}MiB eta {self.eta(step)}")
 
     def log_val(self, step: int, tokens_seen: int, val=None, task=None):

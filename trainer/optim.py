@@ -1,5 +1,6 @@
 """The optimizer side of training, in one file: parameter groups, AdamW and Muon (with its
-Newton-Schulz iteration and NorMuon), and the learning-rate schedule.
+Newton-Schulz iteration and NorMuon), and each group's learning rate at a step (set_lr, from the
+schedules of trainer/schedule.py).
 
 Groups (each carries a "name"; its peak lr is peak_lr's):
     muon       with Muon, the 2-D matrices inside the transformer blocks
@@ -34,6 +35,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from trainer.distributed import local_part
+from trainer.schedule import schedule
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic, torch.optim.Muon's
 NS_STEPS = 5
@@ -117,30 +119,7 @@ def describe(optimizer: Optimizers, optim) -> str:
     return "optimizer: " + "; ".join(parts)
 
 
-# ---------------------------------------------------------------------------- the schedule
-def get_lr(step: int, total_steps: int, lr: float, warmup_steps: int = 0, min_lr_ratio: float = 0.1) -> float:
-    """The lr of optimizer step `step` (from 0) for a peak of `lr`: linear warmup to `lr`, then
-    cosine decay to `min_lr_ratio * lr` at `total_steps`. Without warmup this is MiniMind's get_lr."""
-    if step < warmup_steps:
-        return lr * (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def wsd_lr(step: int, total_steps: int, lr: float, warmup_steps: int = 0, cooldown_frac: float = 0.2,
-           min_lr_ratio: float = 0.1) -> float:
-    """Warmup-stable-decay: get_lr's warmup, then `lr` itself until the last `cooldown_frac` of
-    the run (never before the warmup ends), then linear to `min_lr_ratio * lr` at `total_steps`."""
-    if step < warmup_steps:
-        return lr * (step + 1) / warmup_steps
-    cooldown_start = max(warmup_steps, total_steps * (1 - cooldown_frac))
-    if step <= cooldown_start:
-        return lr
-    span = total_steps - cooldown_start  # > 0 at every step of the run (step < total_steps)
-    progress = min(1.0, (step - cooldown_start) / span) if span > 0 else 1.0
-    return lr * (1 - (1 - min_lr_ratio) * progress)
-
-
+# ---------------------------------------------------------------------------- each group's learning rate
 def peak_lr(group: str, optim) -> float:
     return optim.muon_lr if group == "muon" else optim.learning_rate
 
@@ -148,12 +127,9 @@ def peak_lr(group: str, optim) -> float:
 def set_lr(optimizer, optim, step: int, total_steps: int) -> dict:
     """Every group's lr at `step` from its own peak, over whatever a checkpoint restored there,
     so that a resumed run follows its config. Returns {group name: lr} for the log."""
+    lr_at = schedule(optim.lr_schedule)
     for group in optimizer.param_groups:
-        peak = peak_lr(group["name"], optim)
-        if optim.lr_schedule == "wsd":
-            group["lr"] = wsd_lr(step, total_steps, peak, optim.warmup_steps, optim.cooldown_frac, optim.min_lr_frac)
-        else:
-            group["lr"] = get_lr(step, total_steps, peak, optim.warmup_steps, optim.min_lr_frac)
+        group["lr"] = lr_at(step, total_steps, peak_lr(group["name"], optim), optim)
     return {group["name"]: group["lr"] for group in optimizer.param_groups}
 
 

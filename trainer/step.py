@@ -1,5 +1,6 @@
-"""One optimizer step over a global batch, what it trains with, and the per-step figures the
-loop keeps on the device until it reads them anyway."""
+"""One optimizer step over a global batch: what it trains with, the loss it trains on (one
+function, training_loss), and its figures by name, which the loop keeps on the device until it
+reads them anyway."""
 import math
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -33,15 +34,35 @@ class Requests:
     save: bool = False  # rank 0's clock says a time-based save is due (other ranks say False)
 
 
+# How each named part of the training loss is averaged: per token of the global batch (the
+# model's cross-entropy: each micro-batch's is its share of that mean already) or per micro-batch
+# (the MoE load-balancing loss: the step trains on its mean over the micro-batches). The loss a
+# step trains on, and the mean the log line shows over its window, both follow this.
+PER_TOKEN, PER_MICRO_BATCH = "token", "micro-batch"
+AVERAGED = {"loss": PER_TOKEN, "aux_loss": PER_MICRO_BATCH}
+
+
+def training_loss(out, accum: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss a micro-batch trains on, from the model's output, and its named parts (AVERAGED).
+    The cross-entropy is the model's own: its forward computes it from the targets, inside the
+    graph --use_compile compiles. A new term is one more part here and its entry in AVERAGED."""
+    parts = {"loss": out.loss, "aux_loss": out.aux_loss}
+    shares = [part if AVERAGED[name] == PER_TOKEN else part / accum for name, part in parts.items()]
+    return sum(shares[1:], start=shares[0]), parts
+
+
 @dataclass
 class StepResult:
-    stats: torch.Tensor  # on the device, summed over ranks: (loss x tokens, aux loss, tokens)
+    # On the device, float64, summed over ranks: "tokens" (the targets trained on) and, for each
+    # part of the training loss, the sum whose window the log divides (StepTotals): per-token
+    # parts summed over the tokens, per-micro-batch ones as their mean over the ranks.
+    figures: dict[str, torch.Tensor]
     skipped: bool  # a non-finite loss or gradient norm on some rank: no update was made
     stop: bool  # some rank was asked to stop (preemption)
     save: bool  # rank 0 asked for a save
 
     def mean_loss(self) -> float:
-        return (self.stats[0] / self.stats[2]).item()
+        return (self.figures["loss"] / self.figures["tokens"]).item()
 
 
 def attention_mask(batch, doc_mask: bool, bos_id: int | None):
@@ -74,8 +95,7 @@ def optimizer_step(parts: TrainParts, micro_batches, grad_clip: float = 0.0,
     # At least one: a global batch with no target at all (fine-tuning data where every
     # conversation lost its replies) then has a zero loss, not 0 / 0.
     per_rank_tokens = (tokens.clamp(min=1) / parts.world_size).float()
-    loss_sum = torch.zeros((), device=device)
-    aux_sum = torch.zeros((), device=device)
+    sums = {name: torch.zeros((), device=device) for name in AVERAGED}  # this rank's, before the all-reduce
     for i, batch in enumerate(batches):
         # Only the last micro-batch all-reduces gradients; the others accumulate locally.
         with gradient_sync(parts.net, enabled=i == accum - 1):
@@ -83,57 +103,64 @@ def optimizer_step(parts: TrainParts, micro_batches, grad_clip: float = 0.0,
                 mask = attention_mask(batch, parts.doc_mask, parts.bos_id)
                 out = parts.net(batch[0], attention_mask=mask, shift_labels=batch[1],
                                 num_items_in_batch=per_rank_tokens)
-                loss = out.loss + out.aux_loss / accum
+                loss, loss_parts = training_loss(out, accum)
             parts.scaler.scale(loss).backward()
-        loss_sum += out.loss.detach().float() * per_rank_tokens
-        aux_sum += out.aux_loss.detach().float() / accum
+        for name, part in loss_parts.items():  # per token: a sum over this rank's tokens; else its mean
+            part = part.detach().float()
+            sums[name] += part * per_rank_tokens if AVERAGED[name] == PER_TOKEN else part / accum
 
     parts.scaler.unscale_(parts.optimizer)
     grad_norm = as_local_scalar(
         torch.nn.utils.clip_grad_norm_(parts.net.parameters(), grad_clip if grad_clip > 0 else math.inf))
     # Under fp16 the GradScaler owns inf gradients: it skips the step and lowers its scale.
     bad_grad = torch.zeros((), device=device) if parts.scaler.is_enabled() else (~torch.isfinite(grad_norm)).float()
-    # One collective carries every per-step agreement: the loss for logging, a non-finite
-    # loss or gradient norm on any rank, and what any rank requested.
-    flags = torch.stack([loss_sum, aux_sum, (~torch.isfinite(loss_sum)).float(), bad_grad.to(loss_sum.dtype),
-                         torch.full((), float(requests.stop), device=device),
-                         torch.full((), float(requests.save), device=device)])
-    all_reduce_sum(flags)
-    bad_loss, bad_grad, stop, save = read_flags(flags[2:])
-    skipped = bad_loss or bad_grad
+    bad_loss = (~torch.isfinite(torch.stack(list(sums.values()))).all()).float()
+    summed, asked = agree(sums, {"bad_loss": bad_loss, "bad_grad": bad_grad, "stop": requests.stop,
+                                 "save": requests.save})
+    skipped = asked["bad_loss"] or asked["bad_grad"]
     if not skipped:
         parts.scaler.step(parts.optimizer)
     parts.scaler.update()
     parts.optimizer.zero_grad(set_to_none=True)
-    return StepResult(torch.stack([flags[0].double(), flags[1].double() / parts.world_size, tokens]), skipped, stop,
-                      save)
+    figures = {"tokens": tokens}
+    for name, value in summed.items():  # per-micro-batch parts: each rank's mean -> the mean over ranks
+        figures[name] = value.double() if AVERAGED[name] == PER_TOKEN else value.double() / parts.world_size
+    return StepResult(figures, skipped, asked["stop"], asked["save"])
 
 
-def read_flags(flags: torch.Tensor) -> list[bool]:
-    """flags > 0, read off the device in ONE host sync (as the bits of one integer)."""
-    bits = (flags > 0).long() << torch.arange(len(flags), device=flags.device)
-    code = int(bits.sum().item())
-    return [bool(code >> i & 1) for i in range(len(flags))]
+def agree(figures: dict[str, torch.Tensor], questions: dict) -> tuple[dict[str, torch.Tensor], dict[str, bool]]:
+    """Every rank's figures summed, and whether any rank answers yes to each question (a bool,
+    or a device scalar > 0 for yes), in ONE all-reduce, and the answers read in ONE host read:
+    on a GPU every read waits for the queued work to finish, so the next step cannot be queued.
+    The figures stay on the device (float32, as the step keeps them)."""
+    like = next(iter(figures.values()))
+    answers = [torch.full((), float(q), device=like.device) if isinstance(q, bool) else q.to(like.dtype)
+               for q in questions.values()]
+    packed = all_reduce_sum(torch.stack([*figures.values(), *answers]))
+    yes = (packed[len(figures):] > 0).tolist()
+    return dict(zip(figures, packed)), dict(zip(questions, yes))
 
 
 class StepTotals:
-    """The loss of the steps since the last log line, summed on the device and read by the
+    """The figures of the steps since the last log line, summed on the device and read by the
     host only when it logs, so that ordinary steps stay free of device-to-host reads."""
 
     def __init__(self, device):
-        self.window = torch.zeros(3, dtype=torch.float64, device=device)  # StepResult.stats summed over updates
+        self.names = ("tokens", *AVERAGED)  # StepResult.figures, in one vector: one host read
+        self.window = torch.zeros(len(self.names), dtype=torch.float64, device=device)
         self.updates = 0
 
     def add(self, result: StepResult):
         if not result.skipped:  # a skipped step's NaN loss would hide the others' in the mean
-            self.window += result.stats
+            self.window += torch.stack([result.figures[name] for name in self.names])
             self.updates += 1
 
-    def take_window(self) -> tuple[float, float]:
-        """(token-weighted mean loss, mean aux loss) over the updates since the last call."""
-        loss_x_tokens, aux, tokens = self.window.tolist()
+    def take_window(self) -> dict[str, float]:
+        """Each part of the training loss, averaged as AVERAGED says over the updates since the
+        last call: per token trained on, or per update."""
+        sums = dict(zip(self.names, self.window.tolist()))
         updates, self.updates = self.updates, 0
         self.window.zero_()
         if not updates:
-            return math.nan, math.nan
-        return loss_x_tokens / tokens, aux / updates
+            return dict.fromkeys(AVERAGED, math.nan)
+        return {name: sums[name] / (sums["tokens"] if per == PER_TOKEN else updates) for name, per in AVERAGED.items()}

@@ -1,10 +1,17 @@
 """The shared module of the training scripts, where MiniMind users look for its entry points:
 get_lr, Logger, is_main_process, init_distributed_mode, setup_seed, init_model and
-lm_checkpoint. As in MiniMind, the seeding and the model's construction (its config, its first
-weights, its initialisation) are defined here, and the loop builds its model with them; the
-rest are defined where their concept lives (the schedule in trainer/optim.py, the process group
-in trainer/distributed.py, checkpoints in trainer/checkpoint.py) and exported here by name, the
-very functions the trainer uses (tests/test_trainer_utils.py fails otherwise). Only
+lm_checkpoint. Their names are MiniMind's, but three of their signatures and return values are
+not: init_distributed_mode returns the run's environment (a DistEnv), not the local rank;
+init_model takes a built config and a weights path and returns the model alone, not (model,
+tokenizer); lm_checkpoint takes a folder and a prefix, not MiniMind's config and weight name.
+get_lr, Logger, is_main_process and setup_seed take MiniMind's calls (get_lr adds an optional
+warmup and floor). A MiniMind script that calls the other three needs those calls changed.
+
+As in MiniMind, the seeding and the model's construction (its config, its first weights, its
+initialisation) are defined here, and the loop builds its model with them; the rest are
+defined where their concept lives (the cosine schedule in trainer/schedule.py, the process
+group in trainer/distributed.py, checkpoints in trainer/checkpoint.py) and exported here by
+name, the very functions the trainer uses (tests/test_trainer_utils.py fails otherwise). Only
 trainer/loop.py imports this module, so there is no cycle."""
 import os
 import random
@@ -20,7 +27,7 @@ from model.weights import build_model, load_weights, read_sidecar
 from trainer.checkpoint import CheckpointManager
 from trainer.config import MODEL_SHAPE_FLAGS, run_prefix, weights_path
 from trainer.distributed import Logger, init_distributed_mode, is_main_process
-from trainer.optim import get_lr
+from trainer.schedule import cosine_lr as get_lr  # MiniMind's name for it
 from trainer.train_state import ModelState
 
 __all__ = ["get_lr", "Logger", "is_main_process", "init_distributed_mode", "setup_seed", "init_model",

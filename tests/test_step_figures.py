@@ -1,0 +1,73 @@
+"""trainer/step.py's loss and figures by name: training_loss assembles what a step trains on,
+each named part is summed over the ranks in the step's one all-reduce, and the totals and the
+log line take every name there is, so that a new logged term is a line in step.py."""
+import json
+from contextlib import nullcontext
+
+import pytest
+import torch
+
+import trainer.step as step_module
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM, MiniMindOutput
+from trainer.loop import TrainClock
+from trainer.metrics import RunLogger
+from trainer.step import PER_MICRO_BATCH, PER_TOKEN, StepResult, StepTotals, TrainParts, optimizer_step, training_loss
+from trainer.train_state import StepPlan, TrainState
+
+
+def test_the_training_loss_is_the_cross_entropy_plus_the_micro_batches_mean_aux_loss():
+    out = MiniMindOutput(loss=torch.tensor(2.0), aux_loss=torch.tensor(0.3))
+    total, parts = training_loss(out, accum=3)
+    assert total.item() == pytest.approx(2.1)
+    assert parts == {"loss": out.loss, "aux_loss": out.aux_loss}
+
+
+def one_step(world_size: int):
+    """One step of a tiny MoE model (an aux loss that is not 0) at `world_size`, whose other ranks
+    are this one's copies: the all-reduce multiplies by the world size, as summing copies would."""
+    torch.manual_seed(0)
+    model = MiniMindForCausalLM(MiniMindConfig(hidden_size=64, num_hidden_layers=1, vocab_size=512, use_moe=True))
+    parts = TrainParts(model, model, torch.optim.SGD(model.parameters(), lr=0.1),
+                       torch.amp.GradScaler("cpu", enabled=False), nullcontext(), torch.device("cpu"), world_size)
+    ids = torch.randint(3, 512, (2, 16), generator=torch.Generator().manual_seed(1))
+    targets = ids.roll(-1, dims=1)
+    targets[1, 10:] = -100
+    return optimizer_step(parts, [(ids[:1], targets[:1]), (ids[1:], targets[1:])])
+
+
+def test_each_named_figure_is_summed_over_the_ranks(monkeypatch):
+    one = one_step(1)
+    monkeypatch.setattr(step_module, "all_reduce_sum", lambda t: t.mul_(2))
+    two = one_step(2)
+    assert set(one.figures) == {"tokens", *step_module.AVERAGED}
+    assert one.figures["tokens"].item() == 16 + 10 and two.figures["tokens"].item() == 2 * (16 + 10)
+    # per token: the sum over every rank's tokens; per micro-batch: the mean over the ranks
+    assert two.figures["loss"].item() == 2 * one.figures["loss"].item()
+    assert two.figures["aux_loss"].item() == one.figures["aux_loss"].item() > 0
+    assert two.mean_loss() == one.mean_loss() == pytest.approx(one.figures["loss"].item() / 26)
+
+
+def result(**figures) -> StepResult:
+    return StepResult({name: torch.tensor(value, dtype=torch.float64) for name, value in figures.items()},
+                      skipped=False, stop=False, save=False)
+
+
+def test_a_new_part_is_one_entry_and_reaches_the_totals_and_the_log_row_and_line(tmp_path, monkeypatch, capsys):
+    """A z-loss entered in AVERAGED alone is averaged over the window, and written in the metrics
+    row and the log line under its name, beside the loss and the aux loss."""
+    monkeypatch.setitem(step_module.AVERAGED, "z_loss", PER_TOKEN)
+    assert step_module.AVERAGED["aux_loss"] == PER_MICRO_BATCH
+    totals = StepTotals(torch.device("cpu"))
+    totals.add(result(tokens=100, loss=250.0, aux_loss=0.5, z_loss=10.0))
+    totals.add(result(tokens=300, loss=550.0, aux_loss=0.25, z_loss=30.0))
+    losses = totals.take_window()
+    assert losses == {"loss": 2.0, "aux_loss": 0.375, "z_loss": 0.1}  # (250 + 550) / 400, (0.5 + 0.25) / 2
+    assert all(v != v for v in totals.take_window().values())  # an empty window: NaN, not 0 / 0
+
+    output = type("Output", (), {"save_dir": str(tmp_path), "from_resume": 0, "use_wandb": False})
+    log = RunLogger(str(tmp_path / "metrics.jsonl"), output, "p", TrainState(StepPlan(4, 1, 1, 10, 10)), {}, True,
+                    TrainClock())
+    log.log_train(2, 0, losses, {"decay": 1e-3}, 400, 1000.0, 900.0, None)
+    row = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert {k: row[k] for k in losses} == losses
+    assert "loss 2.0000 aux_loss 0.3750 z_loss 0.1000 lr decay=1.00e-03" in capsys.readouterr().out
