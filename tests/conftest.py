@@ -4,19 +4,19 @@ forked_ranks.py, tiny.py (tiny runs and models), run_outputs.py, assertions.py,
 host_reads.py and fault_injection.py; no test module imports another."""
 import pytest
 
-from scripts.dev.launching import REPO_ROOT
-from tests.jobs import SharedRuns
-from tests.tiny import build_tokenizer, ensure_demo_corpus
+from tests.support import REPO_ROOT
+from tests.support.jobs import SharedRuns
+from tests.support.tiny import build_tokenizer, ensure_demo_corpus
 
 
 # The files that take longest, longest first, by their tests' time in `-n 3 --durations` runs on 2 cores
-# (test_storage.py about 80 s, test_layers.py 20 s; test_slurm.py about 85 s where SLURM installs).
+# (test_storage.py about 80 s, test_imports_and_bounds.py 20 s; test_slurm.py about 85 s where SLURM installs).
 # With -n, pytest-xdist hands whole files to the workers in collection order (pytest.ini), so a long file
 # collected last would run alone at the end while the other workers sit idle.
 LONGEST_FIRST = ("test_quickstart.py", "test_fault_tolerance.py", "test_elastic.py", "test_slurm.py",
                  "test_storage.py", "test_launch.py", "test_compile.py", "test_sft.py", "test_downstream.py",
                  "test_node_local_disks.py", "test_convert.py", "test_clean_shutdown.py", "test_bad_input.py",
-                 "test_untrusted_input.py", "test_muon.py", "test_shards.py", "test_scaling.py", "test_layers.py",
+                 "test_untrusted_input.py", "test_muon.py", "test_shards.py", "test_scaling.py", "test_imports_and_bounds.py",
                  "test_config.py")
 
 
@@ -28,7 +28,7 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(scope="session", autouse=True)
 def demo_corpus():
     """The trainer's default corpus, built before the first test of every pytest-xdist worker
-    (under tests/tiny.py's lock, so once). A launched or forked rank that found it missing would
+    (under tests/support/tiny.py's lock, so once). A launched or forked rank that found it missing would
     build it inside its job, and on a loaded machine that outlasts the tiny runs'
     --dist_timeout of 60 s: rank 1's barrier then fails the job."""
     return ensure_demo_corpus()
@@ -55,5 +55,5 @@ def tiny_tokenizer_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def shared_runs(tmp_path_factory):
-    """Call it with {name: (nproc, args)}: tests/jobs.py's SharedRuns."""
+    """Call it with {name: (nproc, args)}: tests/support/jobs.py's SharedRuns."""
     return SharedRuns(tmp_path_factory)

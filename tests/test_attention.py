@@ -165,7 +165,7 @@ def test_block_mask_from_document_boundaries_equals_create_block_mask(name):
 
 
 def test_building_the_block_mask_reads_nothing_back_to_the_host():
-    from tests.host_reads import CountHostReads
+    from tests.support.host_reads import CountHostReads
 
     ids = _layouts()["documents across blocks, 1024"]
     with CountHostReads() as counter:

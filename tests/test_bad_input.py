@@ -15,10 +15,10 @@ import re
 import numpy as np
 import pytest
 
-from tests.assertions import error_lines, outputs_digest, worker_tracebacks
-from tests.jobs import JobSpec, run_all, run_trainer
-from tests.run_outputs import checkpoint_name, latest_link_name, out_args
-from tests.tiny import TINY
+from tests.support.assertions import error_lines, outputs_digest, worker_tracebacks
+from tests.support.jobs import JobSpec, run_all, run_trainer
+from tests.support.run_outputs import checkpoint_name, latest_link_name, out_args
+from tests.support.tiny import TINY
 
 DATA = {
     # name: (file bytes or None for a missing file, expected message fragment)
@@ -149,3 +149,46 @@ def test_launched_one_line_error_nonzero_exit_and_checkpoints_untouched(launched
     else:  # and torchrun's failure report names that line as its root cause
         assert out.count(message) == 2 and re.search(r"(?m)^\s*traceback\s*: error: ", out), out[-3000:]
     assert outputs_digest(run) == before
+
+
+# ---------------------------------------------------------------------------- a one-line stop in torchrun's report
+def _bad_flag():
+    from common.cli import OneLineArgumentParser
+
+    parser = OneLineArgumentParser(prog="train_pretrain.py")
+    parser.add_argument("--max_steps", type=int)
+    parser.parse_args(["--max_steps", "ten"])
+
+
+def _script_user_error():
+    from common.errors import DataError, report_user_errors
+
+    @report_user_errors
+    def main():
+        raise DataError("corpus.jsonl:3: not JSON; fix that line")
+    main()
+
+
+def _stalled_rank(monkeypatch):
+    from trainer.distributed import fail
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    fail("rank 1: no batch from its DataLoader worker", code=1, this_rank_only=True)
+
+
+@pytest.mark.parametrize("stop", ["bad flag", "script", "stalled rank"])
+def test_a_one_line_stop_gives_its_line_to_torchrun_s_report(tmp_path, monkeypatch, capsys, stop):
+    """Under torchrun (TORCHELASTIC_ERROR_FILE set), the line goes to this worker's error file too,
+    read here as torchrun reads it: its failure report then shows the line, not "<N/A>" (the lost
+    peer's line, under a real torchrun: test_fault_tolerance.py)."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    stops = {"bad flag": _bad_flag, "script": _script_user_error, "stalled rank": lambda: _stalled_rank(monkeypatch)}
+    with pytest.raises(SystemExit):
+        stops[stop]()
+    [line] = capsys.readouterr().err.splitlines()
+    assert "error: " in line
+    assert ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(error_file)).message == line

@@ -8,7 +8,7 @@ import pytest
 from scripts.bench.bench_quality import (
     VARIANTS, at_time, first_reach, parse_args, report, report_seeds, run_seeds, seed_run, variant_table,
 )
-from scripts.dev.launching import REPO_ROOT
+from tests.support import REPO_ROOT
 from trainer.config import parse_config
 from trainer.evaluate import DownstreamResult
 
@@ -53,7 +53,7 @@ def test_a_missing_corpus_is_one_line_and_the_missing_demo_corpus_is_built(tmp_p
     assert exc.value.code == 2 and "--corpus" in err and "nowhere.jsonl: not found" in err
     assert len(err.splitlines()) == 1, err
     from scripts.bench import bench_quality
-    from tests import helpers_data
+    from tests.support import helpers_data
 
     demo = tmp_path / "demo.jsonl"  # the default corpus, not built yet: built as the trainer builds it
     docs = [f"document {d}: " + " ".join(f"w{(d * 7 + k) % 50}" for k in range(80)) for d in range(50)]
@@ -135,7 +135,7 @@ def test_the_committed_task_is_scored_only_where_it_holds_in_the_corpus(tmp_path
     built from that corpus's own held-out split, with one line saying why."""
     from scripts.bench import bench_quality
     from scripts.build_eval_task import main as build_main
-    from tests import helpers_data
+    from tests.support import helpers_data
 
     words = [f"w{i}x{i * 7 % 13}" for i in range(300)]
     docs = [" ".join(words[(d * 31 + k * k) % 300] for k in range(60)) for d in range(100)]

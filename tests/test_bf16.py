@@ -1,18 +1,18 @@
 """Training under bf16 autocast on a CPU, end to end in the trainer: what --dtype auto picks
-where the CPU has amx_bf16 or avx512_bf16 (tests/test_optim.py tests that choice). Every
-other trainer test pins --dtype float32 (tests/tiny.py's TINY says why), so these
+where the CPU has amx_bf16 or avx512_bf16 (tests/test_config.py tests that choice). Every
+other trainer test pins --dtype float32 (tests/support/tiny.py's TINY says why), so these
 runs are the suite's bf16 training. A CPU without native bf16 runs them too, emulating bf16
 (slower).
 
-In-process runs (tests/jobs.py's run_trainer) on the first documents of the demo corpus.
+In-process runs (tests/support/jobs.py's run_trainer) on the first documents of the demo corpus.
 """
 import pytest
 
-from tests.fault_injection import fault_env
-from tests.assertions import assert_bitwise_equal, assert_same_state
-from tests.jobs import run_trainer
-from tests.run_outputs import latest_checkpoint, out_args, read_metrics
-from tests.tiny import TINY, small_corpus
+from tests.support.fault_injection import fault_env
+from tests.support.assertions import assert_bitwise_equal, assert_same_state
+from tests.support.jobs import run_trainer
+from tests.support.run_outputs import latest_checkpoint, out_args, read_metrics
+from tests.support.tiny import TINY, small_corpus
 
 STEPS, SAVE = 30, 15
 

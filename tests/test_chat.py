@@ -12,9 +12,9 @@ from dataset.lm_dataset import load_tokenizer
 from dataset.sft_dataset import (
     ChatOptions, PackedSFTDataset, SFTDataset, conversation_cuts, pack_windows, sample_of,
 )
-from scripts.dev.launching import REPO_ROOT
+from tests.support import REPO_ROOT
 from scripts.prepare_data import prepare_sft
-from tests.helpers_data import write_conversations
+from tests.support.helpers_data import write_conversations
 
 TOOL_SPEC = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
 HAND_WRITTEN = {"conversations": [

@@ -6,16 +6,16 @@ One lucky run proves little, but repetition is what scripts/dev/soak.sh is for: 
 multi-process tests N times. So the suite does not repeat a job here; instead every
 launched 2-process job that the suite already runs to completion (test_launch,
 test_node_local_disks, test_slurm, test_fault_tolerance's torchrun restart, ...) checks
-its exit with tests/assertions.py's assert_clean_exit: rc 0 and no abort signs in its output.
-Jobs whose ranks are forked (tests/forked_ranks.py) end in os._exit, before the point
+its exit with tests/support/assertions.py's assert_clean_exit: rc 0 and no abort signs in its output.
+Jobs whose ranks are forked (tests/support/forked_ranks.py) end in os._exit, before the point
 where the abort happens, so they cannot show it. This file keeps one DDP and one FSDP
 job under torchrun, side by side, as the shortest run of the property by itself; the
 DDP one is the eager run test_compile compares with (the shared_runs fixture)."""
 import pytest
 
-from tests.assertions import assert_clean_exit
-from tests.run_outputs import latest_checkpoint
-from tests.tiny import THREE_STEPS
+from tests.support.assertions import assert_clean_exit
+from tests.support.run_outputs import latest_checkpoint
+from tests.support.tiny import THREE_STEPS
 
 
 @pytest.mark.slow

@@ -1,20 +1,20 @@
 """--use_compile 1 with 2 processes trains like eager: torch.compile around the DDP module
 (dynamo splits the graph at DDP's buckets), and per-block compile inside FSDP2. The eager
 run is torchrun's (shared with test_clean_shutdown); the compiled ranks are forked from
-the preloaded trainer (tests/forked_ranks.py)."""
+the preloaded trainer (tests/support/forked_ranks.py)."""
 import pytest
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from model.model_minimind import MiniMindForCausalLM
-from tests.assertions import assert_clean_exit, max_abs_diff
-from tests.jobs import JobSpec, run_all
-from tests.run_outputs import checkpoint_name, latest_checkpoint, load_checkpoint, out_args
-from tests.tiny import THREE_STEPS
+from tests.support.assertions import assert_clean_exit, max_abs_diff
+from tests.support.jobs import JobSpec, run_all
+from tests.support.run_outputs import checkpoint_name, latest_checkpoint, load_checkpoint, out_args
+from tests.support.tiny import THREE_STEPS
 from trainer.config import parse_config
 from trainer.trainer_utils import model_config, setup_seed
 
 STEPS = 3
-BASE = THREE_STEPS  # lr 5e-4 and a long --dist_timeout: see tests/tiny.py
+BASE = THREE_STEPS  # lr 5e-4 and a long --dist_timeout: see tests/support/tiny.py
 
 
 @pytest.mark.slow

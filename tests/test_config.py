@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from common.errors import UserError
-from tests.jobs import run_trainer
-from tests.run_outputs import latest_checkpoint, out_args
-from tests.tiny import TINY, ensure_demo_corpus
+from tests.support.jobs import run_trainer
+from tests.support.run_outputs import latest_checkpoint, out_args
+from tests.support.tiny import TINY, ensure_demo_corpus
 from trainer import auto, device
 from trainer.auto import fresh_recipe, resolve_auto, resolve_dtype, resolve_optimizer
 from trainer.config import FIXED, TrainConfig, legacy_record, parse_config, resume_config

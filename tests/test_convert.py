@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from model.hf_format import hf_to_state_dict
 from model.weights import load_model, load_weights
 from scripts.convert_model import export_minimind, export_native, main, save_pth
-from tests.tiny import CLI_FLAGS, FLAGS, train_tiny
+from tests.support.tiny import CLI_FLAGS, FLAGS, train_tiny
 
 
 @pytest.fixture(scope="module")

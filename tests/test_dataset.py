@@ -8,7 +8,7 @@ from torch.utils.data import DataLoader
 
 from common.errors import DataError
 from dataset.lm_dataset import PretrainDataset, iter_jsonl_texts
-from tests import helpers_data
+from tests.support import helpers_data
 
 
 def encode(tokenizer, text):

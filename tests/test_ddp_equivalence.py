@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from tests.assertions import assert_clean_exit, max_abs_diff
-from scripts.dev.launching import REPO_ROOT
-from tests.jobs import JobSpec, run_all
+from tests.support.assertions import assert_clean_exit, max_abs_diff
+from tests.support import REPO_ROOT
+from tests.support.jobs import JobSpec, run_all
 
 WORKER = REPO_ROOT / "tests" / "ddp_step_worker.py"
 # name: (processes, batch per process, accumulation steps)
@@ -14,7 +14,7 @@ STEPS = {"ddp": (2, 4, 1), "single": (1, 8, 1), "accum": (1, 4, 2), "half": (1, 
 @pytest.fixture(scope="module")
 def steps(tmp_path_factory):
     """One optimizer step of each kind, two jobs at a time, each rank a process forked from
-    the preloaded trainer (tests/forked_ranks.py): {name: {"weights", "loss"}}."""
+    the preloaded trainer (tests/support/forked_ranks.py): {name: {"weights", "loss"}}."""
     root = tmp_path_factory.mktemp("steps")
     jobs = {name: JobSpec([root / f"{name}.pt", batch, accum], root / name, nproc, "forked", script=WORKER)
             for name, (nproc, batch, accum) in STEPS.items()}

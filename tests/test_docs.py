@@ -4,7 +4,7 @@ every file the README and docs/ link to exists."""
 import re
 
 from scripts.dev.flags_table import table
-from scripts.dev.launching import REPO_ROOT
+from tests.support import REPO_ROOT
 from trainer.config import MINIMIND_FLAGS, build_parser
 from trainer.train_full_sft import SFT
 

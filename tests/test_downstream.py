@@ -13,13 +13,13 @@ from model.weights import load_model
 from scripts.build_eval_task import main as build_main, task_misfit
 from scripts.convert_model import export_native, save_pth
 from scripts.eval_llm import main as eval_main
-from scripts.dev.launching import REPO_ROOT
+from tests.support import REPO_ROOT
 from scripts.split_corpus import is_held_out
-from tests import helpers_data
-from tests.assertions import assert_clean_exit
-from tests.jobs import JobSpec, run_all
-from tests.run_outputs import latest_checkpoint, out_args, read_metrics
-from tests.tiny import CLI_FLAGS, FLAGS, TINY, ensure_demo_corpus, train_tiny
+from tests.support import helpers_data
+from tests.support.assertions import assert_clean_exit
+from tests.support.jobs import JobSpec, run_all
+from tests.support.run_outputs import latest_checkpoint, out_args, read_metrics
+from tests.support.tiny import CLI_FLAGS, FLAGS, TINY, ensure_demo_corpus, train_tiny
 from trainer.evaluate import (
     DownstreamResult, EncodedItem, TaskItem, choice_logprobs, count_correct, encode_item, encode_task,
     evaluate_task, load_task, shard,

@@ -13,10 +13,10 @@ import time
 import pytest
 
 from scripts.dev.elastic_agents import ElasticAgent, agreed_port, wait_until
-from tests.assertions import assert_clean_exit, max_abs_diff, worker_tracebacks
-from tests.jobs import JobSpec, run_env, start_trainer
-from tests.run_outputs import checkpoint_name, checkpoint_steps, latest_checkpoint, out_args
-from tests.tiny import TINY
+from tests.support.assertions import assert_clean_exit, max_abs_diff, worker_tracebacks
+from tests.support.jobs import JobSpec, run_env, start_trainer
+from tests.support.run_outputs import checkpoint_name, checkpoint_steps, latest_checkpoint, out_args
+from tests.support.tiny import TINY
 
 STEPS, SAVE = 100, 10
 # lr 2e-4: Adam's early updates are ~lr * sign(g), so the float noise of another world

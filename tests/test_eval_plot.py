@@ -13,7 +13,7 @@ from model.weights import load_model
 from scripts.convert_model import save_pth
 from scripts.eval_llm import TextStreamer, main as eval_main, perplexity
 from scripts.plot_loss import main as plot_main
-from tests.tiny import CLI_FLAGS, FLAGS, train_tiny
+from tests.support.tiny import CLI_FLAGS, FLAGS, train_tiny
 
 DOCS = ["hello world and the quick brown fox", "你好，世界！", "", "a b c d e f g h i j k l m n o p " * 20]
 

@@ -11,10 +11,10 @@ import sys
 import pytest
 import torch
 
-from tests.host_reads import CountHostReads
-from tests.jobs import run_in_process
-from tests.run_outputs import out_args
-from tests.tiny import small_corpus
+from tests.support.host_reads import CountHostReads
+from tests.support.jobs import run_in_process
+from tests.support.run_outputs import out_args
+from tests.support.tiny import small_corpus
 from trainer.config import parse_config
 from trainer.distributed import init_distributed_mode
 from trainer.loop import train

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from tests.jobs import run_in_process
+from tests.support.jobs import run_in_process
 
 
 def test_exit_code_output_and_globals_are_put_back(tmp_path):

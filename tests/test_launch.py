@@ -7,13 +7,14 @@ import statistics
 
 import pytest
 
-from tests.assertions import assert_clean_exit
-from scripts.dev.launching import REPO_ROOT, TRAIN
-from tests.jobs import JobSpec, run_all, run_nodes
-from tests.run_outputs import (
+from tests.support.assertions import assert_clean_exit
+from tests.support import REPO_ROOT
+from scripts.dev.launching import TRAIN
+from tests.support.jobs import JobSpec, run_all, run_nodes
+from tests.support.run_outputs import (
     checkpoint_name, latest_checkpoint, latest_link_name, load_checkpoint, out_args, read_metrics,
 )
-from tests.tiny import TINY
+from tests.support.tiny import TINY
 
 PREFIX = "pretrain_64"
 

@@ -6,8 +6,8 @@ import time
 import pytest
 import torch
 
-from tests.helpers_data import SAMPLE_TEXTS
-from tests.jobs import run_trainer
+from tests.support.helpers_data import SAMPLE_TEXTS
+from tests.support.jobs import run_trainer
 from trainer import loop
 from trainer.checkpoint import CheckpointManager
 from trainer.metrics import Throughput, device_peak_flops, peak_bf16_tflops

@@ -7,12 +7,12 @@ import torch
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_newton_schulz
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from tests.assertions import assert_bitwise_equal, assert_clean_exit, assert_same_state
-from scripts.dev.launching import REPO_ROOT
-from tests.jobs import run_trainer
-from tests.run_outputs import latest_checkpoint, latest_link, out_args
-from tests.tiny import TINY
-from tests.fault_injection import fault_env
+from tests.support.assertions import assert_bitwise_equal, assert_clean_exit, assert_same_state
+from tests.support import REPO_ROOT
+from tests.support.jobs import run_trainer
+from tests.support.run_outputs import latest_checkpoint, latest_link, out_args
+from tests.support.tiny import TINY
+from tests.support.fault_injection import fault_env
 from trainer.config import TrainConfig
 from trainer.optim import NS_COEFFICIENTS, Muon, is_block_matrix, newton_schulz, newton_schulz_flops, shard_rows, stacks_of
 

@@ -14,8 +14,8 @@ from common.errors import DataError
 from dataset.packed_dataset import PackedPretrainDataset, dtype_for_vocab, meta_path, read_meta, write_meta
 from dataset.shards import ShardedPackedDataset
 from scripts.prepare_data import prepare
-from tests import helpers_data
-from scripts.dev.launching import REPO_ROOT
+from tests.support import helpers_data
+from tests.support import REPO_ROOT
 
 PREPARE_SCRIPT = REPO_ROOT / "scripts" / "prepare_data.py"
 
@@ -170,10 +170,10 @@ def test_a_token_id_past_the_vocab_in_one_shard_names_that_shard_in_one_line(tmp
     (one of many, the one to re-make), not just the directory. Through the trainer, in-process:
     exit code 2 and that one line, no traceback, before any step."""
     from dataset.shards import write_manifest
-    from tests.assertions import error_lines
-    from tests.jobs import run_trainer
-    from tests.run_outputs import out_args
-    from tests.tiny import TINY
+    from tests.support.assertions import error_lines
+    from tests.support.jobs import run_trainer
+    from tests.support.run_outputs import out_args
+    from tests.support.tiny import TINY
 
     shards = tmp_path / "shards"
     shards.mkdir()

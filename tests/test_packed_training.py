@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from model.model_minimind import MiniMindForCausalLM
-from tests.helpers_data import SAMPLE_TEXTS, write_jsonl
-from tests.assertions import assert_bitwise_equal, assert_clean_exit, max_abs_diff
-from tests.jobs import run_trainer
-from tests.run_outputs import latest_checkpoint, out_args, read_metrics
-from tests.tiny import TINY, small_corpus
-from tests.fault_injection import fault_env
+from tests.support.helpers_data import SAMPLE_TEXTS, write_jsonl
+from tests.support.assertions import assert_bitwise_equal, assert_clean_exit, max_abs_diff
+from tests.support.jobs import run_trainer
+from tests.support.run_outputs import latest_checkpoint, out_args, read_metrics
+from tests.support.tiny import TINY, small_corpus
+from tests.support.fault_injection import fault_env
 
 BOS = 1  # model/tokenizer.json's <|im_start|>, which starts every packed document
 

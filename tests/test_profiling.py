@@ -6,9 +6,9 @@ import json
 import pytest
 import torch
 
-from tests.jobs import run_trainer
-from tests.run_outputs import out_args
-from tests.tiny import TINY
+from tests.support.jobs import run_trainer
+from tests.support.run_outputs import out_args
+from tests.support.tiny import TINY
 from trainer.metrics import Profiling
 
 

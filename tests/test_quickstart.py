@@ -21,9 +21,9 @@ from common.errors import DataError
 from dataset.packed_dataset import write_meta
 from scripts.split_corpus import split_corpus
 from scripts.unigram_baseline import unigram_baseline
-from tests.assertions import assert_clean_exit
-from scripts.dev.launching import REPO_ROOT
-from tests.jobs import run_env
+from tests.support.assertions import assert_clean_exit
+from tests.support import REPO_ROOT
+from tests.support.jobs import run_env
 
 QUICKSTART = REPO_ROOT / "scripts" / "quickstart.sh"
 
@@ -154,7 +154,7 @@ def test_quickstart_sft_fine_tunes_the_quickstart_model(quickstarted, tmp_path):
     """quickstart_sft.sh on the tiny pre-trained model above, with conversations of its own: it
     scores the base model, fine-tunes it under torchrun, scores it again, answers a question
     and exports a folder whose tokenizer carries the chat template."""
-    from tests.helpers_data import write_conversations
+    from tests.support.helpers_data import write_conversations
 
     work, env, _ = quickstarted
     write_conversations(tmp_path / "chat.jsonl", n=120)

@@ -6,11 +6,11 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.assertions import assert_bitwise_equal, assert_clean_exit, max_abs_diff
-from tests.jobs import JobSpec, run_all
-from tests.run_outputs import checkpoint_name, latest_checkpoint, latest_link, out_args
-from tests.tiny import TINY
-from tests.fault_injection import fault_env
+from tests.support.assertions import assert_bitwise_equal, assert_clean_exit, max_abs_diff
+from tests.support.jobs import JobSpec, run_all
+from tests.support.run_outputs import checkpoint_name, latest_checkpoint, latest_link, out_args
+from tests.support.tiny import TINY
+from tests.support.fault_injection import fault_env
 
 # 20 steps with the default optimizer (Muon on the blocks, AdamW on the rest), killed at
 # step 13 and resumed from the step-10 checkpoint. AdamW's lr 5e-4: Adam's first updates are
@@ -34,7 +34,7 @@ def runs(tmp_path_factory):
     dcp2to1 resumes a copy of fsdp_killed's folder, which is the same 2-process FSDP
     run killed at the same step. {name: (run_dir, Finished)}, and for an interrupted
     run also name + "/killed" and the step of its checkpoint after the kill. The ranks
-    are forked from the preloaded trainer (tests/forked_ranks.py): these tests are about
+    are forked from the preloaded trainer (tests/support/forked_ranks.py): these tests are about
     the trainer's state across world sizes and DDP/FSDP, not about the launcher."""
     root = tmp_path_factory.mktemp("scaling")
     first = {

@@ -12,12 +12,12 @@ import torch
 from model.weights import load_model
 from scripts.dev.launching import TRAIN_SFT
 from scripts.prepare_data import prepare_sft
-from tests.assertions import assert_bitwise_equal, assert_clean_exit, error_lines, max_abs_diff
-from tests.fault_injection import fault_env
-from tests.helpers_data import write_conversations
-from tests.jobs import JobSpec, run_all, run_nodes, run_trainer
-from tests.run_outputs import latest_checkpoint, out_args
-from tests.tiny import TINY
+from tests.support.assertions import assert_bitwise_equal, assert_clean_exit, error_lines, max_abs_diff
+from tests.support.fault_injection import fault_env
+from tests.support.helpers_data import write_conversations
+from tests.support.jobs import JobSpec, run_all, run_nodes, run_trainer
+from tests.support.run_outputs import latest_checkpoint, out_args
+from tests.support.tiny import TINY
 
 PREFIX = "full_sft_64"
 STEPS, SAVE, KILL = 20, 10, 13
@@ -164,7 +164,7 @@ def test_stock_transformers_answers_with_our_tokens(runs, tmp_path):
     from model.weights import load_model
     from scripts.convert_model import export_native
     from scripts.eval_llm import chat_reply
-    from scripts.dev.launching import REPO_ROOT
+    from tests.support import REPO_ROOT
 
     run_dir = runs["single"][0]
     model = load_model(run_dir / "out" / f"{PREFIX}.pth")[0].float().eval()
@@ -192,7 +192,7 @@ def test_eval_llm_chats_turn_after_turn(runs, monkeypatch, capsys):
 
     from dataset.lm_dataset import load_tokenizer
     from scripts import eval_llm
-    from scripts.dev.launching import REPO_ROOT
+    from tests.support import REPO_ROOT
 
     model = load_model(runs["single"][0] / "out" / f"{PREFIX}.pth")[0].float().eval()
     tokenizer = load_tokenizer(REPO_ROOT / "model")

@@ -23,13 +23,13 @@ from dataset.packed_dataset import PackedPretrainDataset, write_meta
 from dataset.shards import MANIFEST, ShardedPackedDataset
 from scripts import prepare_data
 from scripts.prepare_data import prepare
-from tests import helpers_data
-from tests.assertions import assert_bitwise_equal, assert_clean_exit
-from scripts.dev.launching import REPO_ROOT
-from tests.jobs import run_trainer
-from tests.run_outputs import checkpoint_name, latest_checkpoint, out_args
-from tests.tiny import TINY
-from tests.fault_injection import fault_env
+from tests.support import helpers_data
+from tests.support.assertions import assert_bitwise_equal, assert_clean_exit
+from tests.support import REPO_ROOT
+from tests.support.jobs import run_trainer
+from tests.support.run_outputs import checkpoint_name, latest_checkpoint, out_args
+from tests.support.tiny import TINY
+from tests.support.fault_injection import fault_env
 from trainer.data import ResumableDistributedSampler, open_dataset
 
 DEMO = DEMO_CORPUS
@@ -295,7 +295,7 @@ def test_an_unfinished_prep_directory_is_refused(tmp_path, tok_dir):
 def test_training_on_shards_resumes_bitwise_as_on_the_concatenated_file(tmp_path, tok_dir):
     """2 processes on the single .bin made from the concatenated inputs; 2 processes on
     the shard directory, one rank SIGKILLed at step 4, then resumed from step 3 (the
-    ranks forked from the preloaded trainer: tests/forked_ranks.py). Same windows, same
+    ranks forked from the preloaded trainer: tests/support/forked_ranks.py). Same windows, same
     final weights."""
     lines = DEMO.read_text().splitlines(keepends=True)[:300]
     (tmp_path / "data").mkdir()

@@ -17,9 +17,9 @@ from common.errors import UserError, WeightsError
 from model.weights import load_model, read_checkpoint, sidecar_path, sidecar_text
 from scripts.convert_model import main as convert_main, save_pth
 from scripts.eval_llm import main as eval_main
-from tests.jobs import run_trainer
-from tests.run_outputs import out_args
-from tests.tiny import TINY, ensure_demo_corpus
+from tests.support.jobs import run_trainer
+from tests.support.run_outputs import out_args
+from tests.support.tiny import TINY, ensure_demo_corpus
 from trainer.config import parse_config
 from model.weights import write_weights
 from trainer.trainer_utils import init_model, model_config

@@ -10,11 +10,12 @@ import time
 import pytest
 import torch
 
-from tests.assertions import ABORT_SIGNS, assert_bitwise_equal, assert_clean_exit
-from scripts.dev.launching import REPO_ROOT, TORCHRUN
-from tests.jobs import JobSpec, start_trainer
-from tests.run_outputs import latest_checkpoint, out_args
-from tests.tiny import TINY
+from tests.support.assertions import ABORT_SIGNS, assert_bitwise_equal, assert_clean_exit
+from tests.support import REPO_ROOT
+from scripts.dev.launching import TORCHRUN
+from tests.support.jobs import JobSpec, start_trainer
+from tests.support.run_outputs import latest_checkpoint, out_args
+from tests.support.tiny import TINY
 
 SBATCH = REPO_ROOT / "scripts" / "slurm" / "pretrain.sbatch"
 CLUSTER = REPO_ROOT / "scripts" / "slurm" / "local_cluster.sh"

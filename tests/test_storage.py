@@ -4,7 +4,7 @@ the free space; a failed save leaves nothing behind and stops the run; after the
 the resume is bitwise the uninterrupted run; start-up removes what a killed save left and warns
 of a disk too small; a checkpoint the disk cannot read is skipped like a corrupt one.
 
-The disk is tests/fault_injection.py's SmallDisk: a tmpfs where the tests may mount one, else
+The disk is tests/support/fault_injection.py's SmallDisk: a tmpfs where the tests may mount one, else
 a folder whose writes a quota refuses past its size."""
 import errno
 import json
@@ -18,11 +18,11 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from common.errors import StorageError
 from common.storage import atomic_torch_save
-from tests.assertions import assert_bitwise_equal, assert_same_state, error_lines, worker_tracebacks
-from tests.fault_injection import SmallDisk
-from tests.jobs import run_trainer
-from tests.run_outputs import PREFIX, checkpoint_name, latest_link_name, load_checkpoint, out_args
-from tests.tiny import TINY
+from tests.support.assertions import assert_bitwise_equal, assert_same_state, error_lines, worker_tracebacks
+from tests.support.fault_injection import SmallDisk
+from tests.support.jobs import run_trainer
+from tests.support.run_outputs import PREFIX, checkpoint_name, latest_link_name, load_checkpoint, out_args
+from tests.support.tiny import TINY
 from trainer.checkpoint import verify_checkpoint
 
 MiB = 1 << 20
@@ -236,8 +236,8 @@ def test_prepare_data_on_a_full_disk_is_one_line_and_leaves_no_partial_file(tmp_
     space back, the same command writes what a roomy disk gets, byte for byte (shards already
     finished are kept, not redone)."""
     from scripts.prepare_data import main
-    from tests.helpers_data import write_conversations
-    from tests.tiny import ensure_demo_corpus
+    from tests.support.helpers_data import write_conversations
+    from tests.support.tiny import ensure_demo_corpus
 
     corpus = write_conversations(tmp_path / "chats.jsonl", 400) if layout == "sft" else ensure_demo_corpus()
     name, extra = {"file": ("tokens.bin", []), "shards": ("shards", ["--shard_tokens", "20000"]),
@@ -289,7 +289,7 @@ def test_an_output_whose_last_file_fails_leaves_none_of_its_files_in_place(tmp_p
     sidecar, written last, fails at its fsync, and neither the tokens nor the blocks (already on
     disk) are renamed into place."""
     from scripts.prepare_data import prepare_sft
-    from tests.helpers_data import write_conversations
+    from tests.support.helpers_data import write_conversations
 
     out = tmp_path / "out" / "chats.bin"
     fsync_fails_for(monkeypatch, ".bin.json.tmp")
@@ -321,7 +321,7 @@ def test_the_demo_corpus_on_a_full_disk_is_one_line_and_keeps_the_old_file(tmp_p
 
 def test_split_corpus_on_a_full_disk_is_one_line_and_writes_neither_file(tmp_path, small_disk, capsys):
     from scripts.split_corpus import main
-    from tests.tiny import ensure_demo_corpus
+    from tests.support.tiny import ensure_demo_corpus
 
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(ensure_demo_corpus().read_text().splitlines(keepends=True)[:300]))
@@ -360,7 +360,7 @@ def test_an_export_that_does_not_fit_is_one_line_and_leaves_no_half_folder(tmp_p
     """convert_model.py writes and verifies the export beside --out_dir and moves it in whole: a
     disk that fills half way leaves neither a half export nor the folder it was written in."""
     from scripts.convert_model import main
-    from tests.tiny import train_tiny
+    from tests.support.tiny import train_tiny
     from model.weights import write_weights
 
     weights = tmp_path / "tiny.pth"

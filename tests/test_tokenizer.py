@@ -7,7 +7,7 @@ from transformers import AutoTokenizer
 
 from trainer.train_tokenizer import iter_texts, main as train_main
 
-from scripts.dev.launching import REPO_ROOT
+from tests.support import REPO_ROOT
 
 MODEL_DIR = REPO_ROOT / "model"
 

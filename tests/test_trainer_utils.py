@@ -1,13 +1,13 @@
 """trainer/trainer_utils.py, the module MiniMind users look for: each of its entry points is
 the very function the trainer uses (not a copy that could drift), and its lm_checkpoint
 writes what the trainer resumes and reads what the trainer writes. (That nothing imports
-it back in a cycle is tests/test_layers.py's.)"""
+it back in a cycle is tests/test_imports_and_bounds.py's.)"""
 import torch
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from tests.jobs import run_trainer
-from tests.run_outputs import checkpoint_name, latest_checkpoint, out_args
-from tests.tiny import TINY
+from tests.support.jobs import run_trainer
+from tests.support.run_outputs import checkpoint_name, latest_checkpoint, out_args
+from tests.support.tiny import TINY
 from trainer import loop, schedule, trainer_utils
 from trainer.trainer_utils import lm_checkpoint
 

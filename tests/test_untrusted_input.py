@@ -18,11 +18,11 @@ from common.errors import UserError, WeightsError
 from model.weights import load_model, read_checkpoint, write_weights
 from scripts.convert_model import save_pth
 from scripts.eval_llm import main as eval_main
-from tests.assertions import assert_clean_exit, error_lines, worker_tracebacks
-from scripts.dev.launching import REPO_ROOT
-from tests.jobs import JobSpec, run_all
-from tests.run_outputs import latest_link_name, out_args
-from tests.tiny import FLAGS, TINY, train_tiny
+from tests.support.assertions import assert_clean_exit, error_lines, worker_tracebacks
+from tests.support import REPO_ROOT
+from tests.support.jobs import JobSpec, run_all
+from tests.support.run_outputs import latest_link_name, out_args
+from tests.support.tiny import FLAGS, TINY, train_tiny
 from trainer.device import resolve_device
 from trainer.checkpoint import verify_checkpoint
 from trainer.train_pretrain import main as train_main
@@ -67,7 +67,7 @@ def test_read_checkpoint_refuses_the_payload_in_one_line(tmp_path):
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     """The payload through each entry point, and a bad flag under 2-process torchrun. Each
-    entry point is a process of its own, forked from the preloaded trainer (tests/forked_ranks.py),
+    entry point is a process of its own, forked from the preloaded trainer (tests/support/forked_ranks.py),
     as is the shared-directory check's pair of ranks; torchrun's own job is a real torchrun."""
     root = tmp_path_factory.mktemp("untrusted")
     evil = root / "evil.pth"

@@ -1,9 +1,9 @@
 """--use_wandb must work with no API key and no network: offline, and said so."""
 import re
 
-from tests.jobs import run_trainer
-from tests.run_outputs import out_args
-from tests.tiny import TINY
+from tests.support.jobs import run_trainer
+from tests.support.run_outputs import out_args
+from tests.support.tiny import TINY
 
 
 def test_wandb_without_key_logs_offline_and_resumes_the_same_run(tmp_path):

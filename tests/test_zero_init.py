@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from tests.tiny import TINY
+from tests.support.tiny import TINY
 from trainer.config import parse_config
 from trainer.distributed import DistEnv
 from trainer.trainer_utils import initial_weights, model_config, zero_output_projections

@@ -19,7 +19,7 @@ its own) plus `trainer_state.pt` with the rest. Either kind loads into either ki
 A save writes the checkpoint under a temp name (`...pth.tmp`, `...dcp.tmp/`), then the inference
 weights, then the record, and only then renames the checkpoint into place: a checkpoint is
 visible once it and its record are whole, so a kill at any moment leaves the earlier state or
-the new one (tests/test_checkpoint_safety.py kills a save at each of its steps). A save that fails (a full disk, EIO) removes what
+the new one (tests/resume/test_checkpoint_safety.py kills a save at each of its steps). A save that fails (a full disk, EIO) removes what
 it wrote, leaves the earlier checkpoints and the link as they were, and stops every rank with
 the same one line. At start-up rank 0 removes what a killed save left behind and warns when
 the disk cannot hold --keep_last more checkpoints. Newest means most tokens trained: step

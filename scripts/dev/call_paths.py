@@ -12,7 +12,7 @@ differ between the two runs, and the files that hold them.
     python scripts/dev/call_paths.py              # the table
     python scripts/dev/call_paths.py --list       # and every function, per file
 
-tests/test_layers.py holds the counts to their bounds.
+tests/test_imports_and_bounds.py holds the counts to their bounds.
 """
 import argparse
 import json

@@ -10,7 +10,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 N=${1:-10}
 shift || true
-# Every test that launches the trainer, torchrun or SLURM is marked slow (tests/assertions.py's
+# Every test that launches the trainer, torchrun or SLURM is marked slow (tests/support/assertions.py's
 # assert_clean_exit checks each completed 2-process job for a clean exit). Three files side
 # by side, as CI runs them: a flake that only a loaded machine shows counts too.
 DEFAULT_TESTS=(-n 3 -m slow tests)

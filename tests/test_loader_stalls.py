@@ -1,10 +1,5 @@
-"""The fault plan (tests/fault_injection.py): the MINIMIND_FAULT_* environment, read once at
-start-up, decides which rank misbehaves at which step, a restarted group runs clean, and a run
-without it runs the trainer's own functions. And DataLoader workers: the longest temp folder
-they can work in, and a worker that stops delivering ends the rank instead of hanging it. And
-what the launched tests count as a worker's traceback. And a one-line stop's line in torchrun's
-error file."""
-import math
+"""DataLoader workers: the longest temp folder they can work in, and a worker that stops
+delivering, or dies, ends its rank in one line instead of hanging it."""
 import os
 import signal
 import subprocess
@@ -18,56 +13,8 @@ import torch
 from torch.utils.data import Dataset, SequentialSampler, get_worker_info
 
 from common.errors import UserError
-from tests.assertions import worker_tracebacks
-from scripts.dev.launching import REPO_ROOT
-from tests.fault_injection import FaultPlan, fault_env as fault, install, install_from_env
+from tests.support import REPO_ROOT
 from trainer.data import MAX_WORKER_TMPDIR, LoaderStalled, check_worker_tmpdir, delivered_batches, make_train_loader
-
-
-def poisoned(plan, steps) -> list[bool]:
-    """Whether the plan makes each step's loss NaN (the total and every part), through the loss
-    install() wraps."""
-    import trainer.step as step_module
-    from model.model_minimind import MiniMindOutput
-
-    undo, out = install(plan), []
-    try:
-        for step in range(steps):
-            plan.before_step(step)
-            total, parts = step_module.training_loss(MiniMindOutput(loss=torch.ones(()), aux_loss=torch.zeros(())), 2)
-            nan = [math.isnan(t.item()) for t in (total, *parts.values())]
-            assert len(set(nan)) == 1, nan
-            out.append(nan[0])
-    finally:
-        undo()
-    return out
-
-
-def test_fault_plan_is_read_once_and_fires_only_where_planned(monkeypatch):
-    """The plan is the environment at start-up: later changes do not move it."""
-    environ = {**fault("nan", at=3, rank=1), "RANK": "1"}
-    plan, other_rank = FaultPlan.from_env(environ), FaultPlan.from_env({**environ, "RANK": "0"})
-    environ["MINIMIND_FAULT_AT_STEP"] = "5"
-    assert poisoned(plan, 6) == [False, False, False, True, False, False]
-    assert not any(poisoned(other_rank, 6))
-    forever = FaultPlan.from_env({**fault("nan_forever", at=2, rank=1), "RANK": "1"})
-    assert poisoned(forever, 5) == [False, False, True, True, True]
-    restarted = FaultPlan.from_env({**fault("raise", at=0, rank=1), "RANK": "1", "TORCHELASTIC_RESTART_COUNT": "1"})
-    restarted.before_step(0)  # a restarted group runs clean
-    with pytest.raises(RuntimeError, match="rank 1 raises at step 2"):
-        FaultPlan.from_env({**fault("raise", at=2, rank=1), "RANK": "1"}).before_step(2)
-
-
-def test_faults_wrap_the_trainers_functions_only_where_planned_and_undo_restores_them():
-    import trainer.loop as loop
-    import trainer.step as step_module
-
-    own = loop.set_lr, step_module.training_loss
-    assert install_from_env({}) is None  # no plan: nothing wrapped
-    undo = install_from_env(fault("raise", at=2))
-    assert loop.set_lr is not own[0] and step_module.training_loss is not own[1]
-    undo()
-    assert (loop.set_lr, step_module.training_loss) == own
 
 
 class Stalls(Dataset):
@@ -102,10 +49,10 @@ def test_a_stalled_worker_ends_a_real_run_in_one_line_naming_dist_timeout(tmp_pa
     import multiprocessing
 
     from dataset.packed_dataset import PackedPretrainDataset, write_meta
-    from tests.assertions import error_lines
-    from tests.jobs import run_trainer
-    from tests.run_outputs import out_args
-    from tests.tiny import TINY
+    from tests.support.assertions import error_lines
+    from tests.support.jobs import run_trainer
+    from tests.support.run_outputs import out_args
+    from tests.support.tiny import TINY
     from trainer import loop
 
     if multiprocessing.get_start_method() != "fork":
@@ -174,48 +121,6 @@ def test_the_stalled_rank_itself_prints_the_line_and_exits_1(tmp_path):
     assert result.returncode == 1 and result.stderr.strip() == "error: rank 1: no batch from its DataLoader worker"
 
 
-def _bad_flag():
-    from common.cli import OneLineArgumentParser
-
-    parser = OneLineArgumentParser(prog="train_pretrain.py")
-    parser.add_argument("--max_steps", type=int)
-    parser.parse_args(["--max_steps", "ten"])
-
-
-def _script_user_error():
-    from common.errors import DataError, report_user_errors
-
-    @report_user_errors
-    def main():
-        raise DataError("corpus.jsonl:3: not JSON; fix that line")
-    main()
-
-
-def _stalled_rank(monkeypatch):
-    from trainer.distributed import fail
-
-    monkeypatch.setenv("RANK", "1")
-    monkeypatch.setenv("LOCAL_RANK", "1")
-    fail("rank 1: no batch from its DataLoader worker", code=1, this_rank_only=True)
-
-
-@pytest.mark.parametrize("stop", ["bad flag", "script", "stalled rank"])
-def test_a_one_line_stop_gives_its_line_to_torchrun_s_report(tmp_path, monkeypatch, capsys, stop):
-    """Under torchrun (TORCHELASTIC_ERROR_FILE set), the line goes to this worker's error file too,
-    read here as torchrun reads it: its failure report then shows the line, not "<N/A>" (the lost
-    peer's line, under a real torchrun: test_fault_tolerance.py)."""
-    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
-
-    error_file = tmp_path / "error.json"
-    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
-    stops = {"bad flag": _bad_flag, "script": _script_user_error, "stalled rank": lambda: _stalled_rank(monkeypatch)}
-    with pytest.raises(SystemExit):
-        stops[stop]()
-    [line] = capsys.readouterr().err.splitlines()
-    assert "error: " in line
-    assert ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(error_file)).message == line
-
-
 @pytest.mark.parametrize("extra, works", [(0, True), (1, False)])
 def test_the_longest_temp_folder_allowed_is_the_longest_that_works(monkeypatch, extra, works):
     """check_worker_tmpdir's limit is exactly where multiprocessing's own sockets stop binding."""
@@ -235,19 +140,3 @@ def test_the_longest_temp_folder_allowed_is_the_longest_that_works(monkeypatch, 
                 check_worker_tmpdir(num_workers=1)
         check_worker_tmpdir(num_workers=0)  # no workers, no sockets: any length is fine
 
-
-WORKER_TRACEBACK = """Traceback (most recent call last):
-  File "/repo/trainer/train_pretrain.py", line 10, in <module>
-RuntimeError: boom"""
-# What an elastic agent logged, and survived with rc 0, when the agent hosting the store left first.
-AGENT_EXIT_BARRIER = """E1201 20:48:28.419000 29741 torch/distributed/elastic/agent/server/api.py:1008] Error waiting on exit barrier. Elapsed: 0.01 seconds
-E1201 20:48:28.419000 29741 torch/distributed/elastic/agent/server/api.py:1008] Traceback (most recent call last):
-E1201 20:48:28.419000 29741 torch/distributed/elastic/agent/server/api.py:1008]   File "/venv/torch/distributed/elastic/agent/server/api.py", line 994, in _exit_barrier"""
-CHILD_FAILED_REPORT = """Traceback (most recent call last):
-  File "/venv/bin/torchrun", line 8, in <module>"""
-
-
-def test_a_worker_traceback_is_found_but_not_the_launchers_own():
-    assert worker_tracebacks(f"step 1\n{WORKER_TRACEBACK}\n")[0].startswith("Traceback")
-    assert worker_tracebacks(f"{AGENT_EXIT_BARRIER}\n{CHILD_FAILED_REPORT}\n") == []
-    assert len(worker_tracebacks(f"{AGENT_EXIT_BARRIER}\n{WORKER_TRACEBACK}\n")) == 1

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from scripts.dev.launching import PYTHON, TORCHRUN, TRAIN, kill_tree
-from tests.fault_injection import install_from_env
+from tests.support.fault_injection import install_from_env
 from trainer.data import MAX_WORKER_TMPDIR
 
 MODES = ("inprocess", "forked", "python", "torchrun", "legacy")
@@ -77,7 +77,7 @@ def start_trainer(spec: JobSpec, timeout: float = 240):
             raise ValueError("an in-process run is one rank; use mode='forked' for a process group")
         return InProcessJob(spec, timeout)
     if spec.mode == "forked":
-        from tests.forked_ranks import ForkedJob
+        from tests.support.forked_ranks import ForkedJob
 
         return ForkedJob(spec)
     return ProcessJob(spec)
@@ -141,7 +141,7 @@ class SharedRuns:
         self.tmp_path_factory, self.done = tmp_path_factory, {}
 
     def __call__(self, runs: dict, timeout: float = 240) -> dict:
-        from tests.run_outputs import out_args
+        from tests.support.run_outputs import out_args
 
         keys = {name: (nproc, tuple(flags)) for name, (nproc, flags) in runs.items()}
         missing = {}
@@ -294,7 +294,7 @@ def run_in_process(fn, run_dir, env=None, timeout: int = 240) -> Finished:
         with redirect_stdout(out), redirect_stderr(out), warnings.catch_warnings():
             warnings.resetwarnings()
             warnings.showwarning = _show_warning
-            undo_faults = install_from_env(new_env)  # tests/fault_injection.py, where the env plans one
+            undo_faults = install_from_env(new_env)  # tests/support/fault_injection.py, where the env plans one
             try:
                 fn()
                 code = 0

@@ -16,9 +16,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from common.storage import atomic_torch_save
 from common.errors import UserError
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from tests.assertions import tree_digest
-from tests.run_outputs import latest_link_name
-from tests.tiny import FLAGS
+from tests.support.assertions import tree_digest
+from tests.support.run_outputs import latest_link_name
+from tests.support.tiny import FLAGS
 from trainer import checkpoint
 from trainer.checkpoint import FORMAT, CheckpointManager, list_checkpoints, step_path
 from trainer.train_state import ModelState, RNGState, ScalerState, StepPlan, TrainState
@@ -312,7 +312,7 @@ def test_a_save_the_disk_refuses_stops_every_rank_alike_and_rotates_nothing_away
     must stay; every rank raises rank 0's one line (rank 1's folder is another node's disk), and
     nothing of step 4 is left."""
     from common.errors import StorageError
-    from tests.fault_injection import SmallDisk
+    from tests.support.fault_injection import SmallDisk
 
     disk = SmallDisk(tmp_path / "disk", 1 << 20)
     try:

@@ -1,8 +1,8 @@
 """Run one `optimizer_step` of the trainer on fixed batches, as 1 process or under
-torchrun (the tests fork its ranks: tests/forked_ranks.py), and save the loss and the
+torchrun (the tests fork its ranks: tests/support/forked_ranks.py), and save the loss and the
 updated weights for comparison.
 
-    python tests/ddp_step_worker.py OUT.pt BATCH ACCUM      (or under torchrun)
+    python tests/support/ddp_step_worker.py OUT.pt BATCH ACCUM      (or under torchrun)
 
 SGD (lr 0.5) instead of AdamW: Adam's first update is lr * g/|g|, which turns float
 noise in near-zero gradients into lr-sized differences; with SGD the updated weights
@@ -12,7 +12,7 @@ import sys
 from contextlib import nullcontext
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.assertions import assert_bitwise_equal, error_lines, outputs_digest
-from tests.jobs import run_trainer
-from tests.run_outputs import checkpoint_name, checkpoint_path, latest_checkpoint, latest_link_name, out_args
-from tests.tiny import TINY
+from tests.support.assertions import assert_bitwise_equal, error_lines, outputs_digest
+from tests.support.jobs import run_trainer
+from tests.support.run_outputs import checkpoint_name, checkpoint_path, latest_checkpoint, latest_link_name, out_args
+from tests.support.tiny import TINY
 from trainer.checkpoint import verify_checkpoint
 
 STEPS, SAVE = 8, 2  # saves at 2, 4, 6, 8; the default --keep_last 3 keeps 4, 6, 8
@@ -179,9 +179,9 @@ def killed_saves(tmp_path_factory):
     """An uninterrupted run, and one run killed inside its step-2 or step-4 save at each rename
     point, then resumed: {(step, point): (killed, what its folder held then, resumed, run_dir)}, and
     the uninterrupted run's final checkpoint."""
-    from tests.fault_injection import fault_env
-    from tests.jobs import JobSpec, run_all
-    from tests.tiny import ensure_demo_corpus
+    from tests.support.fault_injection import fault_env
+    from tests.support.jobs import JobSpec, run_all
+    from tests.support.tiny import ensure_demo_corpus
 
     ensure_demo_corpus()
     root = tmp_path_factory.mktemp("killed_saves")

@@ -41,18 +41,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from scripts.dev.launching import REPO_ROOT, kill_tree
-from tests.fault_injection import install_from_env
-from tests.jobs import run_env
+from tests.support import REPO_ROOT
+from scripts.dev.launching import kill_tree
+from tests.support.fault_injection import install_from_env
+from tests.support.jobs import run_env
 
 _CONTEXT = multiprocessing.get_context("forkserver")
 _PRELOAD = "trainer.train_pretrain"
-_CONTEXT.set_forkserver_preload([_PRELOAD, "tests.forked_ranks"])
+_CONTEXT.set_forkserver_preload([_PRELOAD, "tests.support.forked_ranks"])
 GRACE_S = 30  # torchrun's wait between SIGTERM and SIGKILL for the ranks left
 
 
 class ForkedJob:
-    """One running job of tests/jobs.py's protocol (poll, wait, kill, output): `spec.nproc`
+    """One running job of tests/support/jobs.py's protocol (poll, wait, kill, output): `spec.nproc`
     ranks of `python SCRIPT FLAGS`. The ranks write, merged, to {run_dir}.log, as torchrun's
     workers share its stdout."""
 
@@ -170,7 +171,7 @@ def _run_rank(script: str, argv: list, run_dir: str, env: dict, log_path: str):
     os.chdir(run_dir)
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
     sys.argv = [script, *argv]
-    install_from_env(env)  # the fault its environment plans, if any (tests/fault_injection.py)
+    install_from_env(env)  # the fault its environment plans, if any (tests/support/fault_injection.py)
     try:
         runpy.run_path(script, run_name="__main__")
     except (SystemExit, KeyboardInterrupt):

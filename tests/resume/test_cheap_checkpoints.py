@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.host_reads import CountHostReads
+from tests.support.host_reads import CountHostReads
 from common.storage import atomic_torch_save
 from trainer.distributed import weights_finite
 from trainer.loop import SaveClock

@@ -1,7 +1,7 @@
 """Never lose a run: a killed rank, a torchrun restart, a preemption signal, a NaN
 and a rank that raises, each on a 2-process CPU/gloo job (tiny model): under torchrun
 where the launcher takes part (restarts, signals to it, its report of a failed rank),
-else as ranks forked from the preloaded trainer (tests/forked_ranks.py).
+else as ranks forked from the preloaded trainer (tests/support/forked_ranks.py).
 
 Exit codes observed (torch 2.x torchrun, gloo, CPU):
   * the trainer, on SIGTERM / SIGINT: saves at the next step, then exits 128+signum
@@ -21,14 +21,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.assertions import assert_bitwise_equal, assert_clean_exit, assert_same_state, worker_tracebacks
+from tests.support.assertions import assert_bitwise_equal, assert_clean_exit, assert_same_state, worker_tracebacks
 from scripts.dev.launching import PYTHON, TRAIN, children
-from tests.jobs import JobSpec, ProcessJob, run_all, run_trainer
-from tests.fault_injection import fault_env
-from tests.run_outputs import (
+from tests.support.jobs import JobSpec, ProcessJob, run_all, run_trainer
+from tests.support.fault_injection import fault_env
+from tests.support.run_outputs import (
     checkpoint_name, checkpoint_path, checkpoint_steps, latest_checkpoint, latest_link_name, load_checkpoint, out_args,
 )
-from tests.tiny import TINY
+from tests.support.tiny import TINY
 from trainer.checkpoint import verify_checkpoint
 
 pytestmark = pytest.mark.slow  # every test here launches processes
@@ -68,7 +68,7 @@ NAN_K, BAD = 3, 3
 def runs(tmp_path_factory):
     """The jobs that need no other job's result, run two at a time: {name: (Finished, run_dir)}."""
     root = tmp_path_factory.mktemp("fault")
-    # Forked ranks (tests/forked_ranks.py), except where torchrun's restart is the subject.
+    # Forked ranks (tests/support/forked_ranks.py), except where torchrun's restart is the subject.
     jobs = {
         "uninterrupted": JobSpec([*BASE, *out_args(root / "uninterrupted")], root / "uninterrupted", nproc=2,
                                  mode="forked"),

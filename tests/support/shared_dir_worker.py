@@ -1,7 +1,7 @@
 """Run common/storage.check_output_dirs in 2 processes (torchrun, or the tests' forked
 ranks) and record what each rank decided.
 
-    torchrun --standalone --nproc_per_node=2 tests/shared_dir_worker.py ROOT
+    torchrun --standalone --nproc_per_node=2 tests/support/shared_dir_worker.py ROOT
 
 Each rank writes ROOT/rank{r}.json: {case: the error line, or null}. The "not shared"
 case gives each rank its own --checkpoint_dir, as two nodes with local disks would see.
@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from common.errors import UserError  # noqa: E402
 from common.storage import check_output_dirs  # noqa: E402

@@ -3,7 +3,7 @@ gradients, in one process or split over the ranks of a process group: DDP replic
 rank orthogonalises its share) or FSDP2 shards (each matrix's owner works on the whole
 matrix). Saves the final full weights and the Newton-Schulz matmul FLOPs this rank ran.
 
-    python tests/muon_worker.py OUT_PREFIX none|ddp|fsdp [OPTIONS]      (the tests fork its ranks)
+    python tests/support/muon_worker.py OUT_PREFIX none|ddp|fsdp [OPTIONS]      (the tests fork its ranks)
 
 OPTIONS: "normuon" turns NorMuon on; without it, torch.optim.Muon's update. Every rank gives each parameter the same full
 gradient (FSDP: its shard of it), so the three layouts must end with the same weights.
@@ -11,7 +11,7 @@ gradient (FSDP: its shard of it), so the three layouts must end with the same we
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 from torch.distributed.tensor import DTensor, distribute_tensor  # noqa: E402

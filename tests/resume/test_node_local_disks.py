@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.assertions import assert_clean_exit
-from scripts.dev.launching import REPO_ROOT
-from tests.jobs import run_nodes
-from tests.run_outputs import checkpoint_name, latest_link_name, read_metrics
-from tests.tiny import TINY
-from tests.helpers_data import SAMPLE_TEXTS, write_jsonl
-from tests.fault_injection import fault_env
+from tests.support.assertions import assert_clean_exit
+from tests.support import REPO_ROOT
+from tests.support.jobs import run_nodes
+from tests.support.run_outputs import checkpoint_name, latest_link_name, read_metrics
+from tests.support.tiny import TINY
+from tests.support.helpers_data import SAMPLE_TEXTS, write_jsonl
+from tests.support.fault_injection import fault_env
 
 STEPS, SAVE, KILL = 16, 5, 13  # saves at 5 and 10, rank 1 dies before step 13
 RUN = [*TINY, "--data_path", "dataset/small.jsonl", "--checkpoint_dir", "ckpt", "--save_dir", "out",
@@ -23,7 +23,7 @@ TRAIN_IN_NODE = "trainer/train_pretrain.py"  # each node runs its own copy
 
 def copy_repo(dest: Path) -> Path:
     """What a node needs to train: the code, the tokenizer and its own data file (and the
-    test's fault injection, which tests/inject/sitecustomize.py imports from the node's copy)."""
+    test's fault injection, which tests/support/inject/sitecustomize.py imports from the node's copy)."""
     skip = shutil.ignore_patterns("__pycache__", "*.jsonl", "*.bin")
     for package in ("common", "trainer", "model", "dataset"):
         shutil.copytree(REPO_ROOT / package, dest / package, ignore=skip)

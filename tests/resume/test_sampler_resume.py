@@ -9,10 +9,10 @@ from collections import Counter
 import pytest
 from torch.utils.data import Dataset
 
-from tests.assertions import assert_clean_exit
-from tests.jobs import run_trainer
-from tests.run_outputs import latest_checkpoint, out_args, read_metrics
-from tests.tiny import TINY
+from tests.support.assertions import assert_clean_exit
+from tests.support.jobs import run_trainer
+from tests.support.run_outputs import latest_checkpoint, out_args, read_metrics
+from tests.support.tiny import TINY
 from trainer.data import ResumableDistributedSampler, make_train_loader
 from trainer.config import TrainConfig
 from trainer.train_state import TrainState, plan_steps, resume_step

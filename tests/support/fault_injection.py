@@ -16,8 +16,8 @@ The trainer has no hooks for this: install() wraps its functions in the process 
 loop's set_lr (called once before every optimizer step, with the step), the step's training_loss
 (trainer/step.py: the one function that assembles the loss a step trains on), and for a save,
 the checkpoint manager's save and os.replace. A run reaches install() whatever its launch: a launched process through
-tests/inject/sitecustomize.py (fault_env puts that folder first on PYTHONPATH), a forked
-rank (tests/forked_ranks.py) and an in-process run (tests/jobs.py) by calling it. A fault
+tests/support/inject/sitecustomize.py (fault_env puts that folder first on PYTHONPATH), a forked
+rank (tests/support/forked_ranks.py) and an in-process run (tests/support/jobs.py) by calling it. A fault
 fires only in the first attempt of a torchrun group (TORCHELASTIC_RESTART_COUNT 0 or
 unset), so a restarted group runs clean.
 """
@@ -193,7 +193,7 @@ class SmallDisk:
 
 
 def fault_env_base() -> dict:
-    """What makes a launched process load tests/inject/sitecustomize.py."""
+    """What makes a launched process load tests/support/inject/sitecustomize.py."""
     return {"PYTHONPATH": str(INJECT_DIR)}
 
 

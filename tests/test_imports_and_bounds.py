@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.dev.launching import REPO_ROOT
+from tests.support import REPO_ROOT
 
 PACKAGES = ("common", "model", "dataset", "trainer", "scripts", "tests")
 MAY_IMPORT = {
@@ -26,7 +26,7 @@ def repo_imports(path: Path, top_level_only: bool) -> set[str]:
     """Modules of the repository that `path` imports (all of them, or those at load time).
     Relative imports count from the file's package, and `from package import name` counts as
     an import of package.name when that is a module."""
-    package = path.parent.name
+    package = ".".join(path.parent.relative_to(REPO_ROOT).parts)
     tree = ast.parse(path.read_text())
     nodes = tree.body if top_level_only else ast.walk(tree)
     found = set()
@@ -38,13 +38,14 @@ def repo_imports(path: Path, top_level_only: bool) -> set[str]:
             if base:
                 found.add(base)
                 found |= {f"{base}.{alias.name}" for alias in node.names
-                          if (path.parents[1] / base.replace(".", "/") / f"{alias.name}.py").is_file()}
+                          if (REPO_ROOT / base.replace(".", "/") / f"{alias.name}.py").is_file()}
     return {name for name in found if name.split(".")[0] in PACKAGES and name not in PACKAGES}
 
 
 def modules() -> dict[str, Path]:
-    return {f"{p.parent.name}.{p.stem}": p for package in PACKAGES for p in (REPO_ROOT / package).glob("*.py")
-            if p.stem != "__init__"}
+    """Every module of the packages, sub-packages too (scripts/bench, tests/support), by dotted name."""
+    return {".".join(p.relative_to(REPO_ROOT).with_suffix("").parts): p for package in PACKAGES
+            for p in (REPO_ROOT / package).rglob("*.py") if p.stem != "__init__"}
 
 
 def test_every_package_imports_only_its_own_layer_and_below():
@@ -83,12 +84,12 @@ def test_the_check_sees_a_cycle_and_a_wrong_way_import(tmp_path, monkeypatch):
     (tmp_path / "trainer" / "c.py").write_text("import model.a\n")
     for package in ("common", "dataset", "scripts", "tests"):
         (tmp_path / package).mkdir(exist_ok=True)
-    (tmp_path / "scripts" / "bench.py").write_text("from tests.jobs import run_trainer\n")
+    (tmp_path / "scripts" / "bench.py").write_text("from tests.support.jobs import run_trainer\n")
     (tmp_path / "tests" / "jobs.py").write_text("")
     monkeypatch.setattr(sys.modules[__name__], "REPO_ROOT", tmp_path)
     with pytest.raises(AssertionError, match="model.a imports trainer.b") as wrong_way:
         test_every_package_imports_only_its_own_layer_and_below()
-    assert "scripts.bench imports tests.jobs" in str(wrong_way.value)
+    assert "scripts.bench imports tests.support.jobs" in str(wrong_way.value)
     with pytest.raises(AssertionError, match="import cycle"):
         test_no_import_cycle_at_load_time()
 
