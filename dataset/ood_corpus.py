@@ -51,8 +51,9 @@ def pinned_packages(requirements=REQUIREMENTS) -> list[tuple[str, str]]:
     """(name, version) of every `name==version` line of a requirements file, sorted by name."""
     pins = {}
     for number, line in enumerate(Path(requirements).read_text(encoding="utf-8").splitlines(), start=1):
-        name, sep, version = line.split("#", 1)[0].strip().partition("==")
-        name, version = name.strip().lower(), version.strip()
+        # Extras and environment markers change neither the release nor its README.
+        name, sep, version = line.split("#", 1)[0].split(";", 1)[0].strip().partition("==")
+        name, version = name.split("[", 1)[0].strip().lower(), version.strip()
         if not sep or not name or name.startswith("-"):
             continue
         if pins.setdefault(name, version) != version:

@@ -8,7 +8,8 @@ import pytest
 from common.errors import DataError
 from dataset.demo_corpus import DEMO_CORPUS
 from dataset.ood_corpus import (
-    DOC_COUNT, MAX_CHARS, MIN_CHARS, build_ood_corpus, chunk, corpus_runs, main, select, word_runs,
+    DOC_COUNT, MAX_CHARS, MIN_CHARS, build_ood_corpus, chunk, corpus_runs, main, pinned_packages, select,
+    word_runs,
 )
 from tests import helpers_data
 
@@ -93,6 +94,16 @@ def test_a_bad_output_path_is_one_line_and_leaves_nothing(tmp_path, capsys):
     assert exc.value.code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert f"{blocker / 'ood.jsonl'}" in err and "pass another --out" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "corpus.jsonl"]
+
+
+def test_only_exact_pins_are_sources_and_each_once(tmp_path):
+    requirements = tmp_path / "requirements.txt"
+    requirements.write_text("# the pins\nTorch==2.13.0  # a comment\nnumpy>=2\n-r other.txt\n"
+                            "tqdm[notebook]==4.70.1 ; python_version >= '3.8'\ntorch==2.13.0\n")
+    assert pinned_packages(requirements) == [("torch", "2.13.0"), ("tqdm", "4.70.1")]
+    requirements.write_text("tqdm==4.70.1\ntqdm==4.70.2\n")
+    with pytest.raises(DataError, match=r"requirements.txt:2: tqdm pinned at 4.70.1 and 4.70.2: keep one pin"):
+        pinned_packages(requirements)
 
 
 @pytest.mark.parametrize("pin, says", [("tqdm==0.0.1", "tqdm 4."), ("no-such-package-here==1.0", "is not installed")])
