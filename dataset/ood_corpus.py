@@ -163,17 +163,6 @@ def build_ood_corpus(out_path=OOD_CORPUS, exclude=DEMO_CORPUS, count: int = DOC_
             "sha256": hashlib.sha256(data).hexdigest(), "sources": sources, "exclude": str(exclude), **dropped}
 
 
-def ensure_ood_corpus(path=OOD_CORPUS, exclude=DEMO_CORPUS) -> Path:
-    """Return path, building the OOD set there first (and the demo corpus, where it is the one
-    excluded and missing) if it does not exist yet."""
-    path = Path(path)
-    if not path.is_file() or path.stat().st_size == 0:
-        if Path(exclude).resolve() == DEMO_CORPUS.resolve():
-            ensure_demo_corpus(exclude)
-        print(format_summary(build_ood_corpus(path, exclude)), flush=True)
-    return path
-
-
 def format_summary(summary: dict) -> str:
     return (f"[ood set] {summary['documents']} documents of {summary['candidates']} ({summary['shared']} sharing "
             f"text with {summary['exclude']}, {summary['near_duplicate']} near duplicates dropped), "
