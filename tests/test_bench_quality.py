@@ -1,5 +1,6 @@
 """scripts/bench/bench_quality.py's variants and its report, on hand-made validation curves
 (the benchmark's training runs are not tests)."""
+import hashlib
 import re
 import shlex
 
@@ -8,6 +9,7 @@ import pytest
 from scripts.bench.bench_quality import (
     VARIANTS, at_time, first_reach, parse_args, report, report_seeds, run_seeds, seed_run, variant_table,
 )
+from scripts.bench.held_out_ood import mixed_verdicts, ood_file, ood_line
 from tests.support import REPO_ROOT
 from trainer.config import parse_config
 from trainer.evaluate import DownstreamResult
@@ -120,13 +122,18 @@ def test_the_seeds_table_has_each_figures_mean_and_range_against_a_of_the_same_s
     accuracy = {"a_minimind": {42: None, 43: None},
                 "b_defaults": {42: DownstreamResult.from_counts([400, 174, 170]),    # 0.435
                                43: DownstreamResult.from_counts([400, 150, 150])}}  # 0.375
-    header, rule, row_a, row_b = report_seeds(runs, args, accuracy)[2:6]
-    assert header == ("| variant | time to (a)'s final loss, s | steps to it | final bits/byte | bits/byte at "
-                      "(a)'s time | task acc (chance 0.25) |") and rule.count("|") == header.count("|")
-    assert row_a == ("| a_minimind | 11.0 (10.0-12.0) | 20.0 (20.0-20.0) | 1.8500 (1.8000-1.9000) "
-                     "| 1.8500 (1.8000-1.9000) | - |")
+    ood = {"a_minimind": {42: {"bpb": 2.2}, 43: None},  # seed 43 of (a) left no final weights
+           "b_defaults": {42: {"bpb": 2.0}, 43: {"bpb": 2.3}}}
+    lines = report_seeds(runs, args, accuracy, ood)
+    header, rule, row_a, row_b = lines[2:6]
+    assert header == ("| variant | time to (a)'s final loss, s | steps to it | final bits/byte | OOD bits/byte, final "
+                      "| bits/byte at (a)'s time | task acc (chance 0.25) |") and rule.count("|") == header.count("|")
+    assert row_a == ("| a_minimind | 11.0 (10.0-12.0) | 20.0 (20.0-20.0) | 1.8500 (1.8000-1.9000) | 2.2000 (2.2000-2.2000), "
+                     "1 of 2 | 1.8500 (1.8000-1.9000) | - |")
     assert row_b == ("| b_defaults | 8.0 (8.0-8.0), 1 of 2 | 15.0 (15.0-15.0), 1 of 2 | 1.6750 (1.5000-1.8500) "
-                     "| 1.7250 (1.6000-1.8500) | 0.405 (0.375-0.435) |")
+                     "| 2.1500 (2.0000-2.3000) | 1.7250 (1.6000-1.8500) | 0.405 (0.375-0.435) |")
+    # The rule on the means: b is 1.675 against 1.85 in distribution and 2.15 against 2.2 out of it.
+    assert lines[7] == "bench_quality: no variant beats a_minimind or b_defaults on one held-out set and loses on the other"
 
 
 def test_the_committed_task_is_scored_only_where_it_holds_in_the_corpus(tmp_path, monkeypatch, capsys):
@@ -155,3 +162,90 @@ def test_the_committed_task_is_scored_only_where_it_holds_in_the_corpus(tmp_path
     assert task == data / "task.jsonl" and task.is_file()
     out = capsys.readouterr().out
     assert f"bench_quality: {committed}:1: held-out document" in out and "built from this one's own held-out documents" in out
+
+
+def test_the_table_has_each_variants_final_ood_bits_per_byte_and_flags_a_mixed_verdict():
+    """b ends at 1.8 in distribution like (a) but 2.1 out of it against (a)'s 2.0 (+5.0%): no
+    flag, since it does not beat (a) anywhere; c ends lower in distribution (1.7) and higher out
+    of it (2.05): flagged against (a)."""
+    args = parse_args(["--variants", "a_minimind,b_defaults", "--variant", "c=--seed 3", "--steps", "20"])
+    lower = [dict(CURVE[0]), dict(CURVE[1], val_bpb=1.7)]
+    ood = {"a_minimind": {"bpb": 2.0}, "b_defaults": {"bpb": 2.1}, "c": {"bpb": 2.05}}
+    lines = report({"a_minimind": CURVE, "b_defaults": CURVE, "c": lower}, args, None, ood)
+    header, rule, row_a, row_b, row_c = lines[2:7]
+    assert "| last bits/byte | OOD bits/byte, final | vs (a) |" in header and rule.count("|") == header.count("|")
+    assert "| 1.8000 | 2.0000 | +0.0% |" in row_a and "| 1.8000 | 2.1000 | +5.0% |" in row_b
+    assert "| 1.7000 | 2.0500 | +2.5% |" in row_c and row_c.count("|") == header.count("|")
+    # c beats b in distribution and on the OOD set: only (a) is a reference it breaks the rule against.
+    assert lines[7:] == ["", "bench_quality: RULE BROKEN: c beats a_minimind in distribution and loses out of "
+                         "distribution (final bits/byte 1.7000, OOD 2.0500; a_minimind's 1.8000, 2.0000): a default "
+                         "must not win on one held-out set and lose on the other"]
+    lines = report({"a_minimind": CURVE, "b_defaults": CURVE}, args, None, {"a_minimind": None, "b_defaults": None})
+    assert "| 1.8000 | - | - |" in lines[4] and lines[6:] == [""]  # no final weights: nothing to check
+
+
+def test_the_rule_is_checked_against_the_defaults_too_and_ties_break_nothing():
+    finals = {"a_minimind": (2.0, 2.5), "b_defaults": (1.7, 2.2), "opt": (1.69, 2.21), "same": (1.7, 2.2),
+              "both": (1.6, 2.1), "partial": (1.5, None)}
+    lines = mixed_verdicts(finals)
+    assert len(lines) == 1 and lines[0].startswith("bench_quality: RULE BROKEN: opt beats b_defaults in "
+                                                   "distribution and loses out of distribution"), lines
+    assert mixed_verdicts({"a_minimind": (2.0, 2.5), "b_defaults": (2.1, 2.4)})[0].startswith(
+        "bench_quality: RULE BROKEN: b_defaults beats a_minimind out of distribution and loses in distribution")
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, tiny_tokenizer_dir):
+    """A tiny model's final weights where the bench looks for a run's (as the trainer writes them),
+    and a small OOD file: real README text, a non-ASCII line and a document past --max_seq_len."""
+    from dataset.ood_corpus import chunk, description, pinned_packages
+    from model.weights import write_weights
+    from tests.support import helpers_data
+    from tests.support.tiny import train_tiny
+
+    root = tmp_path_factory.mktemp("bench_ood")
+    args = parse_args(["--hidden_size", "64", "--num_hidden_layers", "2", "--max_seq_len", "48"])
+    model = train_tiny(use_moe=False)
+    write_weights(model.state_dict(), model.config, root / "b_defaults" / "bench_64.pth")
+    version = dict(pinned_packages())["tqdm"]
+    docs = [*chunk(description("tqdm", version))[:6], "小型语言模型也可以很有用。" * 3, "word " * 200]
+    return root, args, helpers_data.write_jsonl(root / "ood.jsonl", docs), len(docs)
+
+
+def test_the_ood_bits_per_byte_of_final_weights_is_eval_llms(tiny_run, tiny_tokenizer_dir, capsys):
+    from scripts.bench.bench_quality import final_scores
+    from scripts.eval_llm import main as eval_main
+    from trainer.evaluate import TaskItem, encode_task
+    from transformers import AutoTokenizer
+
+    root, args, ood, n_docs = tiny_run
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    items = encode_task(tokenizer, [TaskItem("the quick brown", ("fox", "dog"), 0)])
+    acc, scores = final_scores(root / "b_defaults", args, items, tokenizer, ood)
+    assert acc.n == 1 and scores["docs"] == n_docs
+    capsys.readouterr()
+    eval_main(["--weight_path", str(root / "b_defaults" / "bench_64.pth"), "--tokenizer_path", str(tiny_tokenizer_dir),
+               "--ppl_data", str(ood), "--max_seq_len", "48", "--device", "cpu"])
+    printed = dict(field.split("=", 1) for field in capsys.readouterr().out.split()[1:])
+    assert int(printed["docs"]) == scores["docs"] and int(printed["tokens"]) == scores["tokens"]
+    assert float(printed["bits_per_byte"]) == pytest.approx(scores["bpb"], abs=1e-6)
+    assert float(printed["loss"]) == pytest.approx(scores["loss"], abs=1e-6)
+    assert 0 < scores["bpb"] < scores["loss"]
+    assert final_scores(root / "a_minimind", args, items, tokenizer, ood) == (None, None)  # stopped before saving
+
+
+def test_the_ood_set_is_built_once_without_the_corpus_text_unless_one_is_given(tmp_path, tiny_run):
+    from dataset.demo_corpus import DEMO_CORPUS
+    from dataset.ood_corpus import DOC_COUNT
+
+    args = parse_args(["--corpus", str(DEMO_CORPUS)])
+    built = ood_file(args, tmp_path)
+    assert built == tmp_path / "ood.jsonl" and len(built.read_text().splitlines()) == DOC_COUNT
+    stamp = built.stat().st_mtime_ns
+    assert ood_file(args, tmp_path) == built and built.stat().st_mtime_ns == stamp
+    assert ood_line(built).endswith(hashlib.sha256(built.read_bytes()).hexdigest())
+    given = tiny_run[2]
+    assert ood_file(parse_args(["--ood_data", str(given)]), tmp_path / "elsewhere") == given
+    assert not (tmp_path / "elsewhere").exists()
+    with pytest.raises(SystemExit):
+        parse_args(["--ood_data", str(tmp_path / "nowhere.jsonl")])

@@ -38,6 +38,16 @@ of a variant is measured against (a)'s run of the same seed (the same initial we
 order), and the table gives, per variant, the mean and the range (min-max) over the seeds of the
 time to (a)'s final loss, the final bits per byte, the bits per byte at (a)'s time and the task
 accuracy. --seeds 1 (the default) is one run per variant, with the trainer's default seed.
+
+A second held-out set, out of distribution: every variant's final weights are also scored on
+--ood_data (by default the set dataset/ood_corpus.py builds offline from the READMEs of the
+packages requirements.txt pins, minus any text of --corpus; its sha256 is printed, for two
+machines to compare), with scripts/eval_llm.py's perplexity (each document alone, cut to
+--max_seq_len tokens): its loss and bits per byte sit beside the in-distribution ones. The
+trainer validates on val.bin only, and the bench keeps no weights before the final ones, so
+the OOD figures are the final weights' only. The rule: a default must not win on one set and
+lose on the other. A variant whose final bits per byte beats (a)'s, or b_defaults', on one set
+and loses on the other (the means over the seeds, with --seeds N) gets a line that says so.
 """
 import json
 import shlex
@@ -54,6 +64,7 @@ from dataset.lm_dataset import load_tokenizer  # noqa: E402
 from model.weights import load_model  # noqa: E402
 from scripts.build_eval_task import main as build_task, task_misfit  # noqa: E402
 from scripts.dev.launching import alternate, launch  # noqa: E402
+from scripts.bench.held_out_ood import mean, mixed_verdicts, ood_file, ood_line, ood_score  # noqa: E402
 from trainer.config import TrainConfig  # noqa: E402
 from common.cli import OneLineArgumentParser  # noqa: E402
 from trainer.evaluate import encode_task, evaluate_task, load_task  # noqa: E402
@@ -98,6 +109,9 @@ def parse_args(argv=None):
     p.add_argument("--task", default=None, help="multiple-choice task .jsonl scored on each variant's final "
                                                  "weights (default: the committed one on the demo corpus, else "
                                                  "one built from --corpus's held-out documents)")
+    p.add_argument("--ood_data", default=None,
+                   help="out-of-distribution held-out .jsonl scored on each variant's final weights (default: "
+                        "dataset/ood_corpus.py's set, built into OUT_DIR/data/ood.jsonl without --corpus's text)")
     p.add_argument("--plot", default=None, help="PNG path (default: OUT_DIR/val_loss_vs_time.png)")
     p.add_argument("--reuse", type=int, default=0, choices=[0, 1],
                    help="1: report a variant's run already in OUT_DIR (finished or stopped early) instead of training it")
@@ -112,6 +126,8 @@ def parse_args(argv=None):
         p.error(f"--variants: unknown {sorted(unknown)}; choose from {','.join(VARIANTS)}")
     if Path(args.corpus).resolve() != DEMO_CORPUS.resolve() and not Path(args.corpus).is_file():
         p.error(f"--corpus {args.corpus}: not found; pass an existing .jsonl file (the default builds the demo's)")
+    if args.ood_data and not Path(args.ood_data).is_file():
+        p.error(f"--ood_data {args.ood_data}: not found; pass an existing .jsonl file (the default builds one)")
     if "a_minimind" not in args.variants.split(","):
         p.error("--variants must include a_minimind: it is the reference")
     for extra in args.variant:
@@ -177,13 +193,14 @@ def task_file(args, data: Path) -> Path:
     return task
 
 
-def final_accuracy(run_dir: Path, args, items):
-    """DownstreamResult of a run's final weights, or None for a run stopped before it saved them."""
+def final_scores(run_dir: Path, args, items, tokenizer, ood: Path):
+    """(DownstreamResult on the task, {loss, bpb, docs, tokens} on the OOD set) of a run's final
+    weights, or (None, None) for a run stopped before it saved them."""
     pth = run_dir / f"{run_prefix('bench', args.hidden_size, False)}.pth"
     if not pth.exists():
-        return None
+        return None, None
     model, _ = load_model(pth)  # its shape from the config the trainer wrote beside it
-    return evaluate_task(model, items)
+    return evaluate_task(model, items), ood_score(model, tokenizer, ood, args.max_seq_len)
 
 
 def read_val(metrics: Path) -> list[dict]:
@@ -235,16 +252,20 @@ def at_time(val: list[dict], seconds: float, key: str) -> float:
     return points[-1][1]
 
 
-def report(curves: dict, args, accuracy: dict | None = None) -> list[str]:
+def report(curves: dict, args, accuracy: dict | None = None, ood: dict | None = None) -> list[str]:
+    """The table of --seeds 1. accuracy: {variant: DownstreamResult or None}; ood: {variant: the
+    OOD scores of final_scores, or None}."""
     ref = curves["a_minimind"]
     target, t_ref = ref[-1]["val_loss"], ref[-1]["train_s"]
     bpb_ref = ref[-1]["val_bpb"]
     lines = [f"bench_quality: hidden {args.hidden_size} x {args.num_hidden_layers} layers, seq {args.max_seq_len}, "
              f"batch {args.batch_size}, {args.steps} steps per variant, {args.threads} threads, val every "
              f"{args.eval_every} steps on the held-out val.bin; (a)'s final val loss {target:.4f} at {t_ref:.0f} s", "",
-             "| variant | steps run | s/step | last val loss | last bits/byte | time to (a)'s final loss | vs (a) "
-             "| steps to it | vs (a) | bits/byte at (a)'s time | vs (a) | task acc (chance 0.25) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| variant | steps run | s/step | last val loss | last bits/byte | OOD bits/byte, final | vs (a) "
+             "| time to (a)'s final loss | vs (a) | steps to it | vs (a) | bits/byte at (a)'s time | vs (a) "
+             "| task acc (chance 0.25) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    ood = ood or {}
+    ref_ood = (ood.get("a_minimind") or {}).get("bpb")
     for name, val in curves.items():
         t, steps = first_reach(val, target, "train_s"), first_reach(val, target, "step")
         bpb = at_time(val, t_ref, "val_bpb")
@@ -252,15 +273,20 @@ def report(curves: dict, args, accuracy: dict | None = None) -> list[str]:
         reach_steps = f"{steps:.0f} | 1/{args.steps / steps:.1f}" if steps else "- | -"
         acc = (accuracy or {}).get(name)
         acc_cell = f"{acc.acc:.3f} ± {acc.acc_stderr:.3f}" if acc else "-"
+        out = (ood.get(name) or {}).get("bpb")
+        ood_vs = f"{(out / ref_ood - 1) * 100:+.1f}%" if out is not None and ref_ood else "-"
+        ood_cell = "- | -" if out is None else f"{out:.4f} | {ood_vs}"
         lines.append(f"| {name} | {val[-1]['step']} | {val[-1]['train_s'] / val[-1]['step']:.2f} | {val[-1]['val_loss']:.4f} | "
-                     f"{val[-1]['val_bpb']:.4f} | {reach} | {reach_steps} | {bpb:.4f} | {(bpb / bpb_ref - 1) * 100:+.1f}% | "
-                     f"{acc_cell} |")
-    return lines
+                     f"{val[-1]['val_bpb']:.4f} | {ood_cell} | {reach} | {reach_steps} | {bpb:.4f} | "
+                     f"{(bpb / bpb_ref - 1) * 100:+.1f}% | {acc_cell} |")
+    return lines + ["", *mixed_verdicts({name: (val[-1]["val_bpb"], (ood.get(name) or {}).get("bpb"))
+                                         for name, val in curves.items()})]
 
 
-def report_seeds(runs: dict, args, accuracy: dict | None = None) -> list[str]:
+def report_seeds(runs: dict, args, accuracy: dict | None = None, ood: dict | None = None) -> list[str]:
     """The table of --seeds N. runs: {variant: {seed: val curve}}; accuracy: {variant: {seed:
-    DownstreamResult or None}}. Each seed of a variant is measured against (a)'s run of that seed."""
+    DownstreamResult or None}}; ood: {variant: {seed: final_scores's OOD scores or None}}. Each
+    seed of a variant is measured against (a)'s run of that seed."""
     ref = runs["a_minimind"]
     seeds = list(ref)
     lines = [f"bench_quality: hidden {args.hidden_size} x {args.num_hidden_layers} layers, seq {args.max_seq_len}, "
@@ -268,10 +294,11 @@ def report_seeds(runs: dict, args, accuracy: dict | None = None) -> list[str]:
              f"{args.eval_every} steps on the held-out val.bin; {len(seeds)} seeds per variant (--seed "
              f"{seeds[0]}-{seeds[-1]}), each against (a)'s run of the same seed; every cell is the mean "
              f"(min-max) over the seeds, and 'k of N' says only k seeds got there", "",
-             "| variant | time to (a)'s final loss, s | steps to it | final bits/byte | bits/byte at (a)'s time "
-             "| task acc (chance 0.25) |", "|---|---|---|---|---|---|"]
+             "| variant | time to (a)'s final loss, s | steps to it | final bits/byte | OOD bits/byte, final "
+             "| bits/byte at (a)'s time | task acc (chance 0.25) |", "|---|---|---|---|---|---|---|"]
+    means = {}  # {variant: (mean final bits/byte, mean OOD bits/byte)}, for the rule
     for name, by_seed in runs.items():
-        reach, steps, final, at_ref, acc = [], [], [], [], []
+        reach, steps, final, final_ood, at_ref, acc = [], [], [], [], [], []
         for seed, val in by_seed.items():
             target, t_ref = ref[seed][-1]["val_loss"], ref[seed][-1]["train_s"]
             reach.append(first_reach(val, target, "train_s"))
@@ -280,10 +307,11 @@ def report_seeds(runs: dict, args, accuracy: dict | None = None) -> list[str]:
             at_ref.append(at_time(val, t_ref, "val_bpb"))
             result = (accuracy or {}).get(name, {}).get(seed)
             acc.append(result.acc if result else None)
+            final_ood.append(((ood or {}).get(name, {}).get(seed) or {}).get("bpb"))
         lines.append(f"| {name} | {spread(reach, '.1f')} | {spread(steps, '.1f')} | {spread(final, '.4f')} | "
-                     f"{spread(at_ref, '.4f')} | "
-                     f"{spread(acc, '.3f')} |")
-    return lines
+                     f"{spread(final_ood, '.4f')} | {spread(at_ref, '.4f')} | {spread(acc, '.3f')} |")
+        means[name] = (mean(final), mean(final_ood))
+    return lines + ["", *mixed_verdicts(means)]
 
 
 def spread(values: list, spec: str) -> str:
@@ -323,6 +351,7 @@ def main(argv=None):
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     data = prepare_data(Path(args.corpus), out / "data")
+    ood = ood_file(args, data)  # before training: a missing pin stops the bench now, not after an hour
     variants = variant_table(args)
     runs = {name: {} for name in variants}  # {variant: {seed: val curve}}
     names = {name: {} for name in variants}  # {variant: {seed: its run's name}}
@@ -336,22 +365,28 @@ def main(argv=None):
     # Seed after seed, the variants take turns: a slow moment of the machine falls on all of them alike.
     alternate({name: lambda name=name: train_next_seed(name) for name in variants}, rounds=args.seeds)
     torch.set_num_threads(args.threads)
-    items = encode_task(load_tokenizer(REPO_ROOT / "model"), load_task(task_file(args, data)))
-    accuracy = {name: {seed: final_accuracy(out / run, args, items) for seed, run in by_seed.items()}
-                for name, by_seed in names.items()}
+    tokenizer = load_tokenizer(REPO_ROOT / "model")
+    items = encode_task(tokenizer, load_task(task_file(args, data)))
+    scores = {name: {seed: final_scores(out / run, args, items, tokenizer, ood) for seed, run in by_seed.items()}
+              for name, by_seed in names.items()}
+    accuracy = {name: {seed: acc for seed, (acc, _) in by_seed.items()} for name, by_seed in scores.items()}
+    ood_scores = {name: {seed: on_ood for seed, (_, on_ood) in by_seed.items()} for name, by_seed in scores.items()}
     if args.seeds == 1:  # the single-seed table and files, as they were
         curves = {name: next(iter(by_seed.values())) for name, by_seed in runs.items()}
         accuracy = {name: next(iter(by_seed.values())) for name, by_seed in accuracy.items()}
-        lines = report(curves, args, accuracy)
+        ood_scores = {name: next(iter(by_seed.values())) for name, by_seed in ood_scores.items()}
+        lines = report(curves, args, accuracy, ood_scores)
         raw = curves, {name: acc and vars(acc) for name, acc in accuracy.items()}
     else:
-        lines = report_seeds(runs, args, accuracy)
+        lines = report_seeds(runs, args, accuracy, ood_scores)
         raw = runs, {name: {seed: acc and vars(acc) for seed, acc in by_seed.items()}
                      for name, by_seed in accuracy.items()}
+    lines.append(ood_line(ood))
     print("\n".join(lines))
     (out / "results.md").write_text("\n".join(lines) + "\n")
     (out / "results.json").write_text(json.dumps(raw[0], indent=1))
     (out / "accuracy.json").write_text(json.dumps(raw[1], indent=1))
+    (out / "ood.json").write_text(json.dumps(ood_scores, indent=1))
     png = Path(args.plot) if args.plot else out / "val_loss_vs_time.png"
     png.parent.mkdir(parents=True, exist_ok=True)
     plot({name: list(by_seed.values()) for name, by_seed in runs.items()}, png,
