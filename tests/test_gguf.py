@@ -15,6 +15,9 @@ from scripts.convert_model import main, save_pth
 from scripts.split_corpus import is_held_out
 from tests.tiny import CLI_FLAGS, FLAGS
 
+INSTALL_HINT = os.environ.get("LLAMA_CPP_INSTALL_ERROR") or "pip install -r requirements-gguf.txt"
+pytest.importorskip("gguf", reason=f"the gguf package is not installed: {INSTALL_HINT}")
+
 # Texts where pre-tokenizers tend to part ways: unicode letters and digits, runs and kinds of
 # whitespace, contractions, emoji, and special tokens written inside the text.
 EDGE_CASES = [
@@ -34,8 +37,7 @@ def llama_cpp():
     try:
         import llama_cpp
     except ImportError as e:
-        reason = os.environ.get("LLAMA_CPP_INSTALL_ERROR") or f"pip install -r requirements-gguf.txt ({e})"
-        pytest.skip(f"llama-cpp-python is not installed: {reason}")
+        pytest.skip(f"llama-cpp-python is not installed ({e}): {INSTALL_HINT}")
     return llama_cpp
 
 
