@@ -186,8 +186,8 @@ def parse_args(argv=None):
     p.add_argument("--format", choices=("native", "minimind", "gguf"), default="native",
                    help="native: stock transformers Qwen3 / Qwen3-MoE; minimind: our classes via trust_remote_code; "
                         "gguf: one file for llama.cpp / Ollama (--out_path, default OUT_DIR/model.gguf)")
-    p.add_argument("--gguf_type", choices=GGUF_TYPES, default="f16",
-                   help="with --format gguf: f16, or q8_0 (8-bit blocks; norms and the router stay fp32)")
+    p.add_argument("--gguf_type", choices=GGUF_TYPES, default=None,
+                   help="with --format gguf: f16 (default), or q8_0 (8-bit blocks; norms and the router stay fp32)")
     p.add_argument("--tokenizer_path", default=str(REPO_ROOT / "model"),
                    help="tokenizer folder whose files are copied into the export ('none' to skip)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="dtype of the exported weights")
@@ -203,6 +203,8 @@ def parse_args(argv=None):
         p.error("--to_pth needs --hf_dir FOLDER and --out_path FILE.pth")
     if not args.to_pth and args.hf_dir:
         p.error("--hf_dir only goes with --to_pth")
+    if args.gguf_type and (args.to_pth or args.format != "gguf"):
+        p.error("--gguf_type only goes with --format gguf")
     if not args.to_pth and args.out_path and args.format != "gguf":
         p.error("--out_path only goes with --to_pth or --format gguf")
     if args.use_moe not in (None, 0, 1):
@@ -246,8 +248,9 @@ def export_gguf(args, model, source, tokenizer_path):
     out_path = Path(args.out_path or Path(args.out_dir) / "model.gguf")
     if out_path.is_dir():
         raise UserError(f"--out_path {out_path}: is a folder: pass the .gguf file to write")
-    arch = write_gguf(model, out_path, tokenizer_path, args.gguf_type)
-    print(f"wrote {out_path} from {source} as GGUF {args.gguf_type}, llama.cpp architecture {arch}")
+    gguf_type = args.gguf_type or "f16"
+    arch = write_gguf(model, out_path, tokenizer_path, gguf_type)
+    print(f"wrote {out_path} from {source} as GGUF {gguf_type}, llama.cpp architecture {arch}")
     print(f"verified: read back with gguf.GGUFReader, every tensor's name, shape, type and bytes as written")
 
 

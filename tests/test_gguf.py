@@ -210,8 +210,7 @@ def test_chat_template_is_carried(llama_cpp, exports, tokenizer):
     assert rendered.prompt == tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def test_cli_writes_gguf_and_refuses_top1_moe(exports, tmp_path, capsys):
-    root, files, _ = exports
+def test_cli_writes_gguf_and_refuses_top1_moe(tmp_path, capsys):
     pth = tmp_path / "pretrain_64.pth"
     save_pth(MiniMindForCausalLM(MiniMindConfig(**FLAGS)).state_dict(), pth)
     main(["--weight_path", str(pth), *CLI_FLAGS, "--format", "gguf", "--gguf_type", "q8_0",
@@ -235,3 +234,4 @@ def test_cli_writes_gguf_and_refuses_top1_moe(exports, tmp_path, capsys):
     assert "needs the tokenizer" in error_of("--weight_path", str(pth), *CLI_FLAGS, "--format", "gguf",
                                              "--tokenizer_path", "none", "--out_path", str(tmp_path / "n.gguf"))
     assert "--out_path only goes with" in error_of("--weight_path", str(pth), "--out_path", str(tmp_path / "x"))
+    assert "--gguf_type only goes with" in error_of("--weight_path", str(pth), "--gguf_type", "q8_0")
