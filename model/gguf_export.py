@@ -115,9 +115,10 @@ def gguf_tensors(model, arch, gguf_type):
     config = model.config
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
-    # lm_head is tied to the embedding: without output.weight llama.cpp's qwen3 / qwen3moe
-    # reuse token_embd for the output projection, as the file then holds the matrix once.
-    state.pop("lm_head.weight", None)
+    if config.tie_word_embeddings:
+        # Without output.weight llama.cpp's qwen3 / qwen3moe use token_embd for the output
+        # projection, as a tied lm_head does: the file holds the matrix once.
+        state.pop("lm_head.weight", None)
     out = {}
     for hf_name, tensor in _stack_experts(state, config).items():
         base = hf_name.removesuffix(".weight")
