@@ -16,13 +16,12 @@ from common.errors import UserError, WeightsError
 
 GGUF_TYPES = ("f16", "q8_0")
 
-# Our tokenizer.json pre-tokenizes with ByteLevel(use_regex=True): GPT-2's regex, below. Of
+# Our tokenizer.json pre-tokenizes with ByteLevel(use_regex=True): GPT-2's regex. Of
 # llama.cpp's pre-types that split with exactly this regex (gpt-2, mpt, olmo, jais, trillion,
 # granite-docling), "trillion" is one that also decodes without "cleaning" spaces (" 's" -> "'s",
 # " ," -> ","), as our tokenizer_config's clean_up_tokenization_spaces false asks; "gpt-2" would
 # tokenize the same but decode "to 'strict'" as "to'strict'". tests/test_gguf.py checks both directions.
 LLAMA_CPP_PRE_TOKENIZER = "trillion"
-GPT2_PRE_TOKENIZER_REGEX = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
 class GGUFExportError(RuntimeError):
@@ -222,9 +221,6 @@ def _read_json(path):
 def _add_tokenizer(writer, vocab):
     writer.add_tokenizer_model("gpt2")  # llama.cpp's name for byte-level BPE
     writer.add_tokenizer_pre(LLAMA_CPP_PRE_TOKENIZER)
-    # Ollama's own engine takes the split regex from this key, where set, rather than from the
-    # pre-type (its default for qwen3 is Qwen2's regex, which splits digits and newlines otherwise).
-    writer.add_string("tokenizer.ggml.pretokenizer", GPT2_PRE_TOKENIZER_REGEX)
     writer.add_token_list(vocab["tokens"])
     writer.add_token_types(vocab["types"])
     writer.add_token_merges(vocab["merges"])
