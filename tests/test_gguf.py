@@ -235,3 +235,21 @@ def test_cli_writes_gguf_and_refuses_top1_moe(tmp_path, capsys):
                                              "--tokenizer_path", "none", "--out_path", str(tmp_path / "n.gguf"))
     assert "--out_path only goes with" in error_of("--weight_path", str(pth), "--out_path", str(tmp_path / "x"))
     assert "--gguf_type only goes with" in error_of("--weight_path", str(pth), "--gguf_type", "q8_0")
+
+
+def test_read_back_check_catches_a_wrong_tensor(exports):
+    import gguf
+
+    from model.gguf_export import GGUFExportError, gguf_tensors, verify_gguf
+
+    _, files, models = exports
+
+    tensors = gguf_tensors(models["dense_fp32"], gguf.MODEL_ARCH.QWEN3, "f16")  # what write_gguf wrote
+    verify_gguf(files["dense_f16"], "qwen3", tensors, 6400)  # the file holds what was meant
+    array, qtype, shape = tensors["blk.1.attn_q.weight"]
+    changed = array.copy()
+    changed[0, 0] += 1
+    with pytest.raises(GGUFExportError, match="blk.1.attn_q.weight .*other bytes"):
+        verify_gguf(files["dense_f16"], "qwen3", {**tensors, "blk.1.attn_q.weight": (changed, qtype, shape)}, 6400)
+    with pytest.raises(GGUFExportError, match="not 'qwen3moe'"):
+        verify_gguf(files["dense_f16"], "qwen3moe", tensors, 6400)
