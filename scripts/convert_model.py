@@ -6,6 +6,9 @@
     # folder (either format) -> .pth (or .safetensors) for `--from_weight`, with its config beside it
     python scripts/convert_model.py --to_pth --hf_dir hf_out --out_path out/pretrain_64.pth
 
+    # .pth -> one GGUF file for llama.cpp / Ollama (qwen3, or qwen3moe), f16 or q8_0
+    python scripts/convert_model.py --weight_path out/pretrain_64.pth --format gguf --out_path model.gguf
+
 The model's shape comes from the config beside the weights (out/pretrain_64.json, which
 the trainer writes); shape flags (--hidden_size 64 --num_hidden_layers 2 [--use_moe 1])
 are needed only for a .pth without one, such as MiniMind's own.
@@ -17,6 +20,8 @@ top-k, optional renormalisation, no shared expert), so MoE exports natively too.
 --format minimind saves our own classes with their source files and an auto_map, for
 `from_pretrained(dir, trust_remote_code=True)`. Every export is loaded back and its
 logits compared with ours.
+--format gguf writes model/gguf_export.py's file, with our tokenizer and chat template inside,
+and reads it back tensor by tensor (tests/test_gguf.py runs it in llama.cpp itself).
 """
 import math
 import os
@@ -37,6 +42,7 @@ from transformers.utils import logging as hf_logging
 from common.errors import UserError, WeightsError, os_error_of, report_user_errors, storage_error
 from common.storage import atomic_torch_save, atomic_write_bytes, atomic_write_text, remove_quietly
 from model.model_minimind import MiniMindForCausalLM, register_auto_classes
+from model.gguf_export import GGUF_TYPES, GGUFExportError, write_gguf
 from model.hf_format import hf_to_state_dict, qwen3_config_from_minimind
 from model.shape_flags import SHAPE_FLAGS, config_flags, flag_default, format_flags
 from model.weights import build_model, load_model, sidecar_path, sidecar_text
@@ -177,8 +183,11 @@ def parse_args(argv=None):
     p.add_argument("--weight_path", help="weights .pth / .safetensors or resume checkpoint "
                                         "(default: out/pretrain_{hidden}[_moe].pth)")
     p.add_argument("--out_dir", default=str(REPO_ROOT / "hf_out"), help="folder to write (default: hf_out)")
-    p.add_argument("--format", choices=("native", "minimind"), default="native",
-                   help="native: stock transformers Qwen3 / Qwen3-MoE; minimind: our classes via trust_remote_code")
+    p.add_argument("--format", choices=("native", "minimind", "gguf"), default="native",
+                   help="native: stock transformers Qwen3 / Qwen3-MoE; minimind: our classes via trust_remote_code; "
+                        "gguf: one file for llama.cpp / Ollama (--out_path, default OUT_DIR/model.gguf)")
+    p.add_argument("--gguf_type", choices=GGUF_TYPES, default=None,
+                   help="with --format gguf: f16 (default), or q8_0 (8-bit blocks; norms and the router stay fp32)")
     p.add_argument("--tokenizer_path", default=str(REPO_ROOT / "model"),
                    help="tokenizer folder whose files are copied into the export ('none' to skip)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="dtype of the exported weights")
@@ -188,12 +197,16 @@ def parse_args(argv=None):
                        help=f"model shape (default {flag_default(name)}; a stored config wins)")
     p.add_argument("--to_pth", action="store_true", help="convert --hf_dir back to a .pth at --out_path")
     p.add_argument("--hf_dir", help="with --to_pth: the folder to convert")
-    p.add_argument("--out_path", help="with --to_pth: the .pth to write")
+    p.add_argument("--out_path", help="with --to_pth: the .pth to write; with --format gguf: the .gguf to write")
     args = p.parse_args(argv)
     if args.to_pth and not (args.hf_dir and args.out_path):
         p.error("--to_pth needs --hf_dir FOLDER and --out_path FILE.pth")
-    if not args.to_pth and (args.hf_dir or args.out_path):
-        p.error("--hf_dir and --out_path only go with --to_pth")
+    if not args.to_pth and args.hf_dir:
+        p.error("--hf_dir only goes with --to_pth")
+    if args.gguf_type and (args.to_pth or args.format != "gguf"):
+        p.error("--gguf_type only goes with --format gguf")
+    if not args.to_pth and args.out_path and args.format != "gguf":
+        p.error("--out_path only goes with --to_pth or --format gguf")
     if args.use_moe not in (None, 0, 1):
         p.error(f"--use_moe must be 0 or 1, got {args.use_moe}")
     if not (math.isfinite(args.atol) and args.atol >= 0):
@@ -215,6 +228,8 @@ def export(args):
     weight_path = args.weight_path or default_weight_path(REPO_ROOT / "out", args.hidden_size, args.use_moe)
     model, source = load_model(weight_path, **flags)
     tokenizer_path = None if args.tokenizer_path.lower() == "none" else args.tokenizer_path
+    if args.format == "gguf":
+        return export_gguf(args, model, source, tokenizer_path)
     exporter = export_native if args.format == "native" else export_minimind
     needed = sum(p.numel() for p in model.parameters()) * DTYPES[args.dtype].itemsize
     with export_folder(args.out_dir, needed) as folder:
@@ -229,6 +244,16 @@ def export(args):
           f"max logit diff vs our model = {verified.max_logit_diff:.3g}")
 
 
+def export_gguf(args, model, source, tokenizer_path):
+    out_path = Path(args.out_path or Path(args.out_dir) / "model.gguf")
+    if out_path.is_dir():
+        raise UserError(f"--out_path {out_path}: is a folder: pass the .gguf file to write")
+    gguf_type = args.gguf_type or "f16"
+    arch = write_gguf(model, out_path, tokenizer_path, gguf_type)
+    print(f"wrote {out_path} from {source} as GGUF {gguf_type}, llama.cpp architecture {arch}")
+    print(f"verified: read back with gguf.GGUFReader, every tensor's name, shape, type and bytes as written")
+
+
 @report_user_errors
 def main(argv=None):
     args = parse_args(argv)
@@ -238,7 +263,7 @@ def main(argv=None):
     except OSError as e:  # reading is checked above, so this is --out_dir / --out_path
         raise UserError(f"{e.filename}: cannot write there ({e.strerror}): pass --out_dir / --out_path "
                         f"a place you can write to") from None
-    except ExportError as e:  # a conversion bug, not the user's fault
+    except (ExportError, GGUFExportError) as e:  # a conversion bug, not the user's fault
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
 
