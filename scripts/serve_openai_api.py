@@ -36,14 +36,15 @@ EXPORT_RECORD = "serve_export.json"  # written last into a cached export: its fi
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # How a reply of our chat template splits into reasoning and answer (transformers' response-template
 # format). The engine's Qwen3 default strips whitespace from a whole reply but not from a streamed
-# one, so the two differ, and it reads the empty <think> block of a non-thinking prompt as "\n\n" of
-# reasoning. This keeps the text as generated: the answer is every character after "</think>\n\n"
-# (or the whole reply when thinking is off), streamed or not.
+# one, so the two differ; it reads the empty <think> block of a non-thinking prompt as "\n\n" of
+# reasoning, and a "<think>" a small model writes mid-answer as the start of reasoning. This keeps
+# the text as generated: reasoning is only the block the prompt opens (\A: the assistant turn's
+# start), the answer every character after its "</think>" (the whole reply when thinking is off).
 RESPONSE_TEMPLATE = {
     "defaults": {"role": "assistant"},
     "start_anchor": "<|im_start|>assistant\n",
     "fields": {
-        "reasoning_content": {"open_pattern": r"<think>\n?", "close_pattern": r"\n?</think>\n\n",
+        "reasoning_content": {"open_pattern": r"\A<think>\n?", "close_pattern": r"\n?</think>\n{0,2}",
                               "content": "text", "content_args": {"strip": False}},
         "content": {"close": "<|im_end|>", "content": "text", "content_args": {"strip": False}},
     },
