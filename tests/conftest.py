@@ -10,11 +10,12 @@ from tests.tiny import build_tokenizer, ensure_demo_corpus
 
 
 # The files that take longest, longest first, by their tests' time in `-n 3 --durations` runs on 2 cores
-# (test_storage.py about 80 s, test_layers.py 20 s; test_slurm.py about 85 s where SLURM installs).
+# (test_storage.py about 80 s, test_serve.py and test_web_demo.py about 75 s each, test_layers.py 20 s;
+# test_slurm.py about 85 s where SLURM installs).
 # With -n, pytest-xdist hands whole files to the workers in collection order (pytest.ini), so a long file
 # collected last would run alone at the end while the other workers sit idle.
 LONGEST_FIRST = ("test_quickstart.py", "test_fault_tolerance.py", "test_elastic.py", "test_slurm.py",
-                 "test_storage.py", "test_launch.py", "test_compile.py", "test_sft.py", "test_downstream.py",
+                 "test_storage.py", "test_serve.py", "test_web_demo.py", "test_launch.py", "test_compile.py", "test_sft.py", "test_downstream.py",
                  "test_node_local_disks.py", "test_convert.py", "test_clean_shutdown.py", "test_bad_input.py",
                  "test_untrusted_input.py", "test_muon.py", "test_shards.py", "test_scaling.py", "test_layers.py",
                  "test_config.py")
