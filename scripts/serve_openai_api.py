@@ -191,7 +191,8 @@ def parse_args(argv=None):
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8998, help="port to listen on (default 8998)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto: a GPU if there is one)")
-    p.add_argument("--dtype", choices=DTYPES, default="auto", help="weights' dtype in memory (auto: the export's, fp32)")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="weights' dtype in memory (auto: the export's, float32)")
     p.add_argument("--continuous_batching", type=int, choices=(0, 1), default=1,
                    help="1: requests share the model's forward passes (paged KV cache); 0: one generate() at a time")
     p.add_argument("--cb_num_blocks", type=int, default=None,

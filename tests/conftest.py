@@ -16,7 +16,8 @@ from tests.tiny import build_tokenizer, ensure_demo_corpus
 # collected last would run alone at the end while the other workers sit idle.
 LONGEST_FIRST = ("test_quickstart.py", "test_fault_tolerance.py", "test_elastic.py", "test_slurm.py",
                  "test_storage.py", "test_serve.py", "test_web_demo.py", "test_launch.py", "test_compile.py",
-                 "test_sft.py", "test_downstream.py", "test_node_local_disks.py", "test_convert.py", "test_clean_shutdown.py", "test_bad_input.py",
+                 "test_sft.py", "test_downstream.py", "test_node_local_disks.py", "test_convert.py",
+                 "test_clean_shutdown.py", "test_bad_input.py",
                  "test_untrusted_input.py", "test_muon.py", "test_shards.py", "test_scaling.py", "test_layers.py",
                  "test_config.py")
 

@@ -8,7 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-openai = pytest.importorskip("openai", reason="the serving extra is not installed: pip install -r requirements-serve.txt")
+NO_EXTRA = "the serving extra is not installed: pip install -r requirements-serve.txt"
+openai = pytest.importorskip("openai", reason=NO_EXTRA)
 import httpx  # noqa: E402  (openai's own HTTP client)
 
 from dataset.lm_dataset import load_tokenizer  # noqa: E402

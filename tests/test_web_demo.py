@@ -7,8 +7,9 @@ from argparse import Namespace
 
 import pytest
 
-openai = pytest.importorskip("openai", reason="the serving extra is not installed: pip install -r requirements-serve.txt")
-pytest.importorskip("streamlit", reason="the serving extra is not installed: pip install -r requirements-serve.txt")
+NO_EXTRA = "the serving extra is not installed: pip install -r requirements-serve.txt"
+openai = pytest.importorskip("openai", reason=NO_EXTRA)
+pytest.importorskip("streamlit", reason=NO_EXTRA)
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
 from scripts.launching import PYTHON  # noqa: E402
