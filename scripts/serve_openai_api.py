@@ -20,6 +20,7 @@ requests it would fail on (a 500, a hang) with a 4xx and one line.
 import hashlib
 import json
 import os
+import re
 import socket
 import sys
 from pathlib import Path
@@ -206,6 +207,8 @@ def parse_args(argv=None):
         p.add_argument(f"--{name}", type=int, default=None,
                        help=f"model shape for a .pth without its config (default {flag_default(name)})")
     args = p.parse_args(argv)
+    if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", args.device):
+        p.error(f"--device must be auto, cpu, cuda, cuda:N or mps, got {args.device!r}")
     if args.max_model_len is not None and args.max_model_len < 2:
         p.error(f"--max_model_len must be at least 2, got {args.max_model_len}")
     if not 0 < args.port < 65536:
@@ -218,6 +221,11 @@ def main(argv=None):
     args = parse_args(argv)
     check_serving_installed()
     check_port_free(args.host, args.port)
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {args.device}: no GPU is visible to torch here: pass --device cpu")
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
