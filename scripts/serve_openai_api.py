@@ -143,9 +143,29 @@ def check_port_free(host: str, port: int):
                             f"stop what uses it or pass another --port") from None
 
 
+def batching_config(gib, weight):
+    """Continuous batching's memory budget: `gib` GiB for its KV cache and buffers (None: on a GPU
+    the engine's own sizing, by free memory). The engine reads a CPU's free memory as the whole
+    machine's RAM, and its attention masks grow as batch tokens x cache tokens: left alone it took
+    14 GiB for a 2-layer model here, so a CPU server gets 1 GiB and batches of 1024 tokens
+    (a longer prompt is prefilled in several) unless told otherwise."""
+    from transformers import ContinuousBatchingConfig
+
+    on_cpu = weight.device.type == "cpu"
+    if gib is None and not on_cpu:
+        return None
+    if on_cpu:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    else:
+        import torch
+
+        total = torch.cuda.mem_get_info(weight.device)[0]
+    share = min(0.9, (gib or 1.0) * (1 << 30) / total)
+    return ContinuousBatchingConfig(max_memory_percent=share, max_batch_tokens=1024 if on_cpu else None)
+
+
 def build_app(export_dir: Path, args):
     """transformers' serve app with the model preloaded, wrapped in our request guard."""
-    from transformers import ContinuousBatchingConfig
     from transformers.cli.serving.chat_completion import ChatCompletionHandler
     from transformers.cli.serving.completion import CompletionHandler
     from transformers.cli.serving.model_manager import ModelManager
@@ -160,8 +180,10 @@ def build_app(export_dir: Path, args):
     model_id = str(export_dir)
     manager = ModelManager(device=args.device, dtype=args.dtype, continuous_batching=bool(args.continuous_batching),
                            force_model=model_id)  # loads it now
-    cb_config = ContinuousBatchingConfig(num_blocks=args.cb_num_blocks) if args.cb_num_blocks else None
-    state = GenerationState(continuous_batching=bool(args.continuous_batching), cb_config=cb_config)
+    model, tokenizer = manager.load_model_and_processor(model_id)  # the loaded pair, from the manager's cache
+    tokenizer.response_template = RESPONSE_TEMPLATE
+    state = GenerationState(continuous_batching=bool(args.continuous_batching),
+                            cb_config=batching_config(args.kv_cache_gib, next(model.parameters())))
     template_kwargs = {"open_thinking": bool(args.thinking)}
     app = build_server(
         manager,
@@ -174,8 +196,6 @@ def build_app(export_dir: Path, args):
                                            chat_template_kwargs=template_kwargs),
         generation_state=state,
     )
-    model, tokenizer = manager.load_model_and_processor(model_id)  # the loaded pair, from the manager's cache
-    tokenizer.response_template = RESPONSE_TEMPLATE
     context = min(args.max_model_len or model.config.max_position_embeddings, model.config.max_position_embeddings)
     return guard(app, model_id, context, tokenizer, template_kwargs), state
 
@@ -196,8 +216,9 @@ def parse_args(argv=None):
                    help="weights' dtype in memory (auto: the export's, float32)")
     p.add_argument("--continuous_batching", type=int, choices=(0, 1), default=1,
                    help="1: requests share the model's forward passes (paged KV cache); 0: one generate() at a time")
-    p.add_argument("--cb_num_blocks", type=int, default=None,
-                   help="KV cache blocks for continuous batching (default: the engine's own sizing)")
+    p.add_argument("--kv_cache_gib", type=float, default=None,
+                   help="memory for continuous batching's KV cache and buffers, in GiB (default: 1 on a CPU; "
+                        "on a GPU the engine's sizing by free memory)")
     p.add_argument("--max_model_len", type=int, default=None,
                    help="longest prompt + reply a request may ask for, in tokens (default: the model's "
                         "max_position_embeddings); longer ones get a 400")
@@ -209,6 +230,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", args.device):
         p.error(f"--device must be auto, cpu, cuda, cuda:N or mps, got {args.device!r}")
+    if args.kv_cache_gib is not None and not args.kv_cache_gib > 0:
+        p.error(f"--kv_cache_gib must be a number above 0, got {args.kv_cache_gib}")
     if args.max_model_len is not None and args.max_model_len < 2:
         p.error(f"--max_model_len must be at least 2, got {args.max_model_len}")
     if not 0 < args.port < 65536:

@@ -148,7 +148,7 @@ def test_the_engine_alone_fails_these_requests_so_the_guard_answers_them(served)
 
     from scripts.serve_openai_api import build_app
 
-    args = Namespace(device="cpu", dtype="auto", continuous_batching=0, cb_num_blocks=None, thinking=0,
+    args = Namespace(device="cpu", dtype="auto", continuous_batching=0, kv_cache_gib=None, thinking=0,
                      max_model_len=None)
     guarded, state = build_app(REPO_ROOT / served.model, args)
     try:
