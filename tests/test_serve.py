@@ -165,6 +165,9 @@ def test_a_second_start_reuses_the_export(served, tmp_path):
     assert not made and str(folder) == served.model
     other = save_with_config(train_tiny_chat(steps=1), tmp_path / "other.pth")
     assert cached_export(other, served.root / "cache", REPO_ROOT / "model")[0] != folder
+    # An exported folder is served too: exported again (with its own tokenizer) and checked the same way.
+    again, made = cached_export(folder, tmp_path / "cache", REPO_ROOT / "model")
+    assert made and json.loads((again / "serve_export.json").read_text())["max_logit_diff"] <= 1e-4
 
 
 def run_serve(*flags, env=None):
