@@ -122,7 +122,7 @@ def cached_export(weight_path, cache_dir, tokenizer_path=None, flags=None) -> tu
 
 def check_serving_installed():
     missing = []
-    for module in ("fastapi", "uvicorn", "openai", "pydantic"):
+    for module in ("fastapi", "uvicorn", "openai", "pydantic", "accelerate"):  # accelerate: device_map
         try:
             __import__(module)
         except ImportError:
