@@ -11,6 +11,9 @@ passes goes on to the engine with the same body (thinking's alias aside).
 import json
 
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+# The engine's own management routes: any client could unload the model or load another folder of
+# this disk with them. A server pinned to one model does not offer them.
+CLOSED_PATHS = ("/load_model", "/reset")
 MAX_BODY_BYTES = 32 << 20  # far above any prompt that fits the context
 
 
@@ -34,6 +37,8 @@ class RequestGuard:
         self.app, self.check = app, check
 
     async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] in CLOSED_PATHS:
+            return await answer(send, BadRequest(f"{scope['path']} is not offered by this server", status=404))
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GENERATION_PATHS:
             return await self.app(scope, receive, send)
         body, more = b"", True

@@ -65,6 +65,10 @@ def test_the_model_is_listed_and_is_the_verified_export(served):
     record = json.loads((REPO_ROOT / served.model / "serve_export.json").read_text())
     assert record["loaded_as"] == "Qwen3ForCausalLM" and record["max_logit_diff"] <= 1e-4
     assert record["source"] == str(served.pth)
+    root = served.url.removesuffix("/v1")
+    for path in ("/reset", "/load_model"):  # the engine's management routes are closed
+        assert httpx.post(root + path, json={"model": "/tmp"}, timeout=30).status_code == 404
+    assert served.client.models.list().data[0].id == served.model
 
 
 def test_a_greedy_reply_is_eval_llm_s_token_for_token(served, ours):
