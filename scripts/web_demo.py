@@ -80,7 +80,8 @@ def stream_reply(client, model, messages, state):
         max_tokens=int(state.max_tokens), extra_body=extra or None)
     answer, reasoning = "", ""
     with st.chat_message("assistant"):
-        thought = st.empty()
+        # The reasoning streams into its own box above the answer, as show() draws it afterwards.
+        thought = st.expander("Reasoning", expanded=True).empty() if state.thinking else None
         spoken = st.empty()
         for chunk in stream:
             if not chunk.choices:
@@ -88,8 +89,8 @@ def stream_reply(client, model, messages, state):
             delta = chunk.choices[0].delta
             reasoning += getattr(delta, "reasoning_content", None) or ""
             answer += delta.content or ""
-            if reasoning:
-                thought.caption("Reasoning: " + reasoning)
+            if reasoning and thought is not None:
+                thought.text(reasoning)
             spoken.markdown(answer + "▌")
         spoken.markdown(answer)
     return answer, reasoning

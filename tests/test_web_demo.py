@@ -80,6 +80,20 @@ def test_the_turn_control_says_how_much_history_is_sent(served):
         assert said(app)[-1] == ("assistant", expected), turns
 
 
+def test_thinking_shows_the_reasoning_apart_from_the_answer(served):
+    app = page(served.url)
+    app.session_state["thinking"] = True
+    ask(app, "What is 5?")
+    expected = served.client.chat.completions.create(
+        model=served.model, messages=[{"role": "user", "content": "What is 5?"}], temperature=0, max_tokens=MAX_TOKENS,
+        extra_body={"chat_template_kwargs": {"open_thinking": True}}).choices[0].message
+    assert expected.reasoning_content  # the tiny model reasons when asked to
+    reply = app.chat_message[-1]
+    assert [e.label for e in reply.expander] == ["Reasoning"]
+    assert reply.expander[0].text[0].value.strip() == expected.reasoning_content.strip()  # st.text trims it
+    assert "".join(md.value for md in reply.markdown) == expected.content
+
+
 def test_errors_are_one_line_and_the_conversation_stays(served):
     app = ask(page(served.url), "What is 7?")
     kept = said(app)
