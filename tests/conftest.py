@@ -10,7 +10,7 @@ from tests.tiny import build_tokenizer, ensure_demo_corpus
 
 
 # The files that take longest, longest first, by their tests' time in `-n 3 --durations` runs on 2 cores
-# (test_storage.py about 80 s, test_serve.py and test_web_demo.py about 75 s each, test_layers.py 20 s;
+# (test_storage.py about 80 s, test_serve.py 47 s and test_web_demo.py 37 s, test_layers.py 20 s;
 # test_slurm.py about 85 s where SLURM installs).
 # With -n, pytest-xdist hands whole files to the workers in collection order (pytest.ini), so a long file
 # collected last would run alone at the end while the other workers sit idle.
