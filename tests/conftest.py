@@ -10,14 +10,15 @@ from tests.support.tiny import build_tokenizer, ensure_demo_corpus
 
 
 # The files that take longest, longest first, by their tests' time in `-n 3 --durations` runs on 2 cores
-# (test_storage.py about 80 s, test_imports_and_bounds.py 20 s; test_slurm.py about 85 s where SLURM installs).
+# (test_storage.py about 80 s, test_serve.py 47 s and test_web_demo.py 37 s, test_imports_and_bounds.py 20 s;
+# test_slurm.py about 85 s where SLURM installs).
 # With -n, pytest-xdist hands whole files to the workers in collection order (pytest.ini), so a long file
 # collected last would run alone at the end while the other workers sit idle.
 LONGEST_FIRST = ("test_quickstart.py", "test_fault_tolerance.py", "test_elastic.py", "test_slurm.py",
-                 "test_storage.py", "test_launch.py", "test_compile.py", "test_sft.py", "test_downstream.py",
-                 "test_node_local_disks.py", "test_convert.py", "test_gguf.py", "test_clean_shutdown.py",
-                 "test_bad_input.py", "test_untrusted_input.py", "test_muon.py", "test_shards.py", "test_scaling.py",
-                 "test_imports_and_bounds.py", "test_config.py")
+                 "test_storage.py", "test_serve.py", "test_web_demo.py", "test_launch.py", "test_compile.py",
+                 "test_sft.py", "test_downstream.py", "test_node_local_disks.py", "test_convert.py", "test_gguf.py",
+                 "test_clean_shutdown.py", "test_bad_input.py", "test_untrusted_input.py", "test_muon.py",
+                 "test_shards.py", "test_scaling.py", "test_imports_and_bounds.py", "test_config.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -10,7 +10,7 @@ runs after a warm-up (the range in brackets), the files taking turns; the prompt
 afresh in every run (no prefix cache).
 tokens/s counts the generated tokens over the whole request, prompt evaluation included;
 time to first token is from the request to the first generated token.
-llama_cpp_rows() is the measurement for other benchmarks to call (scripts/bench_serve.py).
+llama_cpp_rows() is the measurement for other benchmarks to call (scripts/bench/bench_serve.py).
 """
 import argparse
 import os
@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 from common.errors import UserError, report_user_errors  # noqa: E402
 from model.shape_flags import SHAPE_FLAGS  # noqa: E402
-from scripts.launching import row, table  # noqa: E402
+from scripts.dev.launching import row, table  # noqa: E402
 
 COLUMNS = ("engine", "quant", "clients", "tokens/s", "time to first token")
 
