@@ -30,6 +30,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from common.cli import OneLineArgumentParser
 from common.errors import UserError, WeightsError, report_user_errors
+from common.storage import atomic_write_text
 from model.shape_flags import SHAPE_FLAGS, flag_default
 
 SERVE_REQUIREMENTS = "pip install -r requirements-serve.txt"
@@ -113,7 +114,7 @@ def cached_export(weight_path, cache_dir, tokenizer_path=None, flags=None) -> tu
         record = dict(source=os.path.abspath(source), loaded_as=verified.loaded_as,
                       max_logit_diff=verified.max_logit_diff, files=files)
         # export_folder moves the files in one by one, the record maybe before the rest: is_complete checks its list
-        (staging / EXPORT_RECORD).write_text(json.dumps(record, indent=1) + "\n")
+        atomic_write_text(staging / EXPORT_RECORD, json.dumps(record, indent=1) + "\n", "the export's record")
     return folder, True
 
 
