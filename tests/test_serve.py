@@ -174,6 +174,30 @@ def test_a_second_start_reuses_the_export(served, tmp_path):
     assert made and json.loads((again / "serve_export.json").read_text())["max_logit_diff"] <= 1e-4
 
 
+def test_every_kind_of_weights_a_user_has_exports_the_same_model(served, tmp_path):
+    """--weight_path takes the trainer's .pth with its config, a resume checkpoint, and MiniMind's own
+    .pth (no config beside it) with the shape flags: each exports the same weights."""
+    import torch
+    from safetensors.torch import load_file
+
+    from tests.support.tiny import FLAGS
+    from trainer.trainer_utils import lm_checkpoint
+
+    model = load_model(served.pth)[0].float()
+    bare = tmp_path / "minimind_64.pth"
+    torch.save(model.state_dict(), bare)  # MiniMind's format: the state_dict alone
+    optimizer = torch.optim.AdamW(model.parameters())
+    resume = lm_checkpoint(str(tmp_path / "ckpt"), "full_sft_64", model, optimizer,
+                           state={"global_step": 1, "tokens_seen": 1, "world_size": 1})
+    exports = {"pth": cached_export(served.pth, tmp_path / "cache", REPO_ROOT / "model")[0],
+               "resume": cached_export(resume, tmp_path / "cache", REPO_ROOT / "model")[0],
+               "minimind": cached_export(bare, tmp_path / "cache", REPO_ROOT / "model", FLAGS)[0]}
+    weights = {kind: load_file(folder / "model.safetensors") for kind, folder in exports.items()}
+    for kind in ("resume", "minimind"):
+        assert weights[kind].keys() == weights["pth"].keys(), kind
+        assert all(torch.equal(weights[kind][k], weights["pth"][k]) for k in weights["pth"]), kind
+
+
 def run_serve(*flags, env=None):
     return subprocess.run([PYTHON, str(SERVE), *flags], capture_output=True, text=True, timeout=120, env=env)
 
