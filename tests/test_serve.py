@@ -15,7 +15,8 @@ import httpx  # noqa: E402  (openai's own HTTP client)
 from dataset.lm_dataset import load_tokenizer  # noqa: E402
 from model.weights import load_model  # noqa: E402
 from scripts.eval_llm import chat_reply  # noqa: E402
-from scripts.dev.launching import PYTHON, REPO_ROOT  # noqa: E402
+from scripts.dev.launching import PYTHON  # noqa: E402
+from tests.support import REPO_ROOT  # noqa: E402
 from scripts.serve_openai_api import cached_export  # noqa: E402
 from tests.support.assertions import error_lines  # noqa: E402
 from tests.support.serving import SERVE, save_with_config, server, train_tiny_chat  # noqa: E402

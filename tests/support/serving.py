@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from scripts.dev.launching import PYTHON, REPO_ROOT
+from scripts.dev.launching import PYTHON
+from tests.support import REPO_ROOT
 from tests.support.tiny import FLAGS
 
 SERVE = REPO_ROOT / "scripts" / "serve_openai_api.py"
