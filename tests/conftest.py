@@ -1,7 +1,7 @@
 """Fixtures shared by the test modules, and the order the files run in. Shared plain
 functions live in modules the tests import: jobs.py (running the trainer, the one way),
 forked_ranks.py, tiny.py (tiny runs and models), run_outputs.py, assertions.py,
-host_reads.py and fault_injection.py; no test module imports another."""
+host_reads.py and fault_injection.py, in tests/support/; no test module imports another."""
 import pytest
 
 from tests.support import REPO_ROOT

@@ -6,7 +6,7 @@ from tests.support.assertions import assert_clean_exit, max_abs_diff
 from tests.support import REPO_ROOT
 from tests.support.jobs import JobSpec, run_all
 
-WORKER = REPO_ROOT / "tests" / "ddp_step_worker.py"
+WORKER = REPO_ROOT / "tests" / "support" / "ddp_step_worker.py"
 # name: (processes, batch per process, accumulation steps)
 STEPS = {"ddp": (2, 4, 1), "single": (1, 8, 1), "accum": (1, 4, 2), "half": (1, 4, 1)}
 

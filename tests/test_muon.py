@@ -168,7 +168,7 @@ def test_the_compiled_update_with_normuon_equals_the_eager_one():
 
 
 # ---------------------------------------------------------------------------- across ranks
-WORKER = REPO_ROOT / "tests" / "muon_worker.py"
+WORKER = REPO_ROOT / "tests" / "support" / "muon_worker.py"
 
 
 def _worker_results(tmp_path, layout, nproc, options="") -> list[dict]:

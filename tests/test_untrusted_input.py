@@ -82,7 +82,7 @@ def launched(tmp_path_factory):
                                      root / "torchrun_bad_flag", nproc=2, mode="torchrun",
                                      launcher_args=("--standalone",)),
         "shared_dir": JobSpec([str(root / "shared_dir")], root / "shared_dir", nproc=2, mode="forked",
-                              script=REPO_ROOT / "tests" / "shared_dir_worker.py"),
+                              script=REPO_ROOT / "tests" / "support" / "shared_dir_worker.py"),
     }
     (root / "shared_dir").mkdir()
     (root / "shared_dir" / "a_file").write_text("not a folder")

@@ -27,8 +27,8 @@ def copy_repo(dest: Path) -> Path:
     skip = shutil.ignore_patterns("__pycache__", "*.jsonl", "*.bin")
     for package in ("common", "trainer", "model", "dataset"):
         shutil.copytree(REPO_ROOT / package, dest / package, ignore=skip)
-    (dest / "tests").mkdir()
-    for hook_file in ("__init__.py", "fault_injection.py"):
+    (dest / "tests" / "support").mkdir(parents=True)
+    for hook_file in ("__init__.py", "support/__init__.py", "support/fault_injection.py"):
         shutil.copy(REPO_ROOT / "tests" / hook_file, dest / "tests" / hook_file)
     write_jsonl(dest / "dataset" / "small.jsonl", [f"{SAMPLE_TEXTS[i % len(SAMPLE_TEXTS)]} #{i}" for i in range(300)])
     return dest
