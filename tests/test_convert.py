@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from model.hf_format import hf_to_state_dict
 from model.weights import load_model, load_weights
 from scripts.convert_model import export_minimind, export_native, main, save_pth
+from tests.support.assertions import one_line_stop
 from tests.support.tiny import CLI_FLAGS, FLAGS, train_tiny
 
 
@@ -146,11 +147,7 @@ def test_cli_export_and_bad_input(work, tmp_path, capsys):
            "max logit diff vs our model = " in capsys.readouterr().out
 
     def error_of(*argv):
-        with pytest.raises(SystemExit) as exit_info:
-            main(list(argv))
-        err = capsys.readouterr().err.strip()
-        assert exit_info.value.code == 2 and "\n" not in err and "Traceback" not in err
-        return err
+        return one_line_stop(main, capsys, *argv)
 
     # Flags that do not describe the weights: name the tensor and the flags that would fit.
     err = error_of("--weight_path", pth, "--hidden_size", "128", "--num_hidden_layers", "2",

@@ -19,7 +19,7 @@ from scripts.dev.launching import PYTHON  # noqa: E402
 from tests.support import REPO_ROOT  # noqa: E402
 from scripts.serve_openai_api import cached_export  # noqa: E402
 from tests.support.assertions import error_lines  # noqa: E402
-from tests.support.serving import SERVE, save_with_config, server, train_tiny_chat  # noqa: E402
+from tests.support.serving import SERVE, save_with_config, served_tiny_chat, train_tiny_chat  # noqa: E402
 
 MAX_TOKENS = 12
 QUESTIONS = ["What is 7?", "What is 12?", "Tell me a story", "你好", "What is 3?", "More?", "What is 40?", "Why?"]
@@ -27,12 +27,8 @@ QUESTIONS = ["What is 7?", "What is 12?", "Tell me a story", "你好", "What is 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve")
-    pth = save_with_config(train_tiny_chat(), root / "full_sft_64.pth")
-    with server(pth, root / "cache", root / "server.log") as base_url:
-        client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=120)
-        model_id = client.models.list().data[0].id
-        yield Namespace(root=root, pth=pth, url=base_url, client=client, model=model_id)
+    with served_tiny_chat(tmp_path_factory.mktemp("serve")) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ its logic under Streamlit's AppTest, and the page itself in headless Chromium dr
 import os
 import shutil
 import time
-from argparse import Namespace
 
 import pytest
 
@@ -13,18 +12,15 @@ pytest.importorskip("streamlit", reason=NO_EXTRA)
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
 from scripts.dev.launching import PYTHON  # noqa: E402
-from tests.support.serving import WEB_DEMO, free_port, running, save_with_config, server, train_tiny_chat  # noqa: E402
+from tests.support.serving import WEB_DEMO, free_port, running, served_tiny_chat  # noqa: E402
 
 MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    root = tmp_path_factory.mktemp("web_demo")
-    pth = save_with_config(train_tiny_chat(), root / "full_sft_64.pth")
-    with server(pth, root / "cache", root / "server.log") as base_url:
-        client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=120)
-        yield Namespace(root=root, url=base_url, client=client, model=client.models.list().data[0].id)
+    with served_tiny_chat(tmp_path_factory.mktemp("web_demo")) as served:
+        yield served
 
 
 def greedy(served, messages):

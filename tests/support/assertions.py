@@ -85,3 +85,14 @@ def error_lines(output: str) -> list[str]:
 def outputs_digest(run_dir) -> dict:
     """tree_digest of a run's checkpoint and output folders (TMPDIR litter elsewhere is ignored)."""
     return {sub: tree_digest(Path(run_dir) / sub) for sub in ("ckpt", "out")}
+
+
+def one_line_stop(main, capsys, *argv) -> str:
+    """A script's main(argv) stopping with exit code 2 and one line on stderr, no traceback: that line."""
+    import pytest
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(argv))
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and "\n" not in err and "Traceback" not in err, err
+    return err

@@ -110,3 +110,16 @@ def server(weight_path, cache_dir, log: Path, *flags):
     # One thread: the tests run three files at once on two cores.
     with running(argv, log, f"http://127.0.0.1:{port}/health", env={"OMP_NUM_THREADS": "1"}):
         yield f"http://127.0.0.1:{port}/v1"
+
+
+@contextmanager
+def served_tiny_chat(root: Path):
+    """train_tiny_chat's model saved in `root` and served there: yields (root, pth, url, client, model)."""
+    from argparse import Namespace
+
+    import openai
+
+    pth = save_with_config(train_tiny_chat(), root / "full_sft_64.pth")
+    with server(pth, root / "cache", root / "server.log") as base_url:
+        client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=120)
+        yield Namespace(root=root, pth=pth, url=base_url, client=client, model=client.models.list().data[0].id)
