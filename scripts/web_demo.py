@@ -50,7 +50,7 @@ def one_line(error: Exception, api_base: str) -> str:
     return f"{type(error).__name__}: {' '.join(str(error).split())}"
 
 
-def sidebar(args):
+def sidebar():
     with st.sidebar:
         st.text_input("Endpoint", key="api_base")
         st.slider("Earlier turns sent", 0, 20, key="history_turns")
@@ -106,7 +106,7 @@ def main(argv=None):
         state.setdefault(key, getattr(args, key))
     state.setdefault("thinking", False)
     state.setdefault("history", [])
-    sidebar(args)
+    sidebar()
     st.title("MiniMind chat")
     for message in state.history:
         show(message)
