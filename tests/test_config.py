@@ -133,13 +133,14 @@ def test_resolve_optimizer(device_type, dtype, cpu_flags, groups, expected):
     assert why.startswith("auto: ")
 
 
-@pytest.mark.parametrize("share, expected", [(0.0, "muon"), (0.75, "muon"), (0.76, "adamw"), (1.0, "adamw")])
+@pytest.mark.parametrize("share, expected", [(0.0, "muon"), (0.95, "muon"), (1.0, "muon"), (1.01, "adamw"),
+                                             (1.35, "adamw")])
 def test_auto_takes_adamw_where_newton_schulz_would_add_more_than_the_bound(share, expected):
     for device_type, dtype, cpu_flags in [("cpu", "float32", EPYC_NO_BF16), ("cpu", "bfloat16", AMX_XEON),
                                           ("cuda", "bfloat16", frozenset())]:
         name, why = resolve_optimizer(device_type, dtype, cpu_flags, muon_share=share)
         assert name == expected, (device_type, dtype)
-        assert f"{share:.0%}" in why and "75%" in why
+        assert f"{share:.0%}" in why and "100%" in why
 
 
 def test_the_muon_share_is_the_ratio_of_counted_flops():
@@ -162,11 +163,13 @@ def test_the_muon_share_is_the_ratio_of_counted_flops():
     counted = muon.get_total_flops() / step.get_total_flops()
     estimated = muon_flop_share(config, tokens.numel(), 64)
     assert estimated == pytest.approx(counted, rel=0.1), (estimated, counted)
-    # Measured on CPU (docs/performance.md, docs/time-to-quality.md): at 2,720 tokens a step 256 x 4 and
-    # 512 x 8 are Muon's, 768 x 8 is not; the 64M model at a GPU batch of 32 x 1024 is.
+    # Measured on CPU (docs/performance.md, docs/time-to-quality.md): at 2,720 tokens a step 256 x 4,
+    # 512 x 8 and 768 x 8 are Muon's (Muon arrived sooner in seconds at each), a 16-layer 1024 is not
+    # (unmeasured, past the bound); the 64M model at a GPU batch of 32 x 1024 is.
     assert muon_flop_share(MiniMindConfig(hidden_size=256, num_hidden_layers=4), 2720, 340) < 0.25
     assert 0.5 < muon_flop_share(MiniMindConfig(hidden_size=512, num_hidden_layers=8), 2720, 340) < 0.75
-    assert muon_flop_share(MiniMindConfig(hidden_size=768, num_hidden_layers=8), 2720, 340) > 0.75
+    assert 0.9 < muon_flop_share(MiniMindConfig(hidden_size=768, num_hidden_layers=8), 2720, 340) < 1.0
+    assert muon_flop_share(MiniMindConfig(hidden_size=1024, num_hidden_layers=16), 2720, 340) > 1.0
     assert muon_flop_share(MiniMindConfig(hidden_size=768, num_hidden_layers=8), 32768, 1024) < 0.1
 
 
@@ -228,14 +231,14 @@ def test_the_trainer_logs_what_optimizer_auto_chose_and_why_in_one_line(tmp_path
     lines = [line for line in result.stdout.splitlines() if "optimizer: muon (auto: " in line]
     assert len(lines) == 1 and re.fullmatch(
         r"optimizer: muon \(auto: Newton-Schulz in fp32, native here, adds (\d+)% to each step's FLOPs, "
-        r"within the 75% it may\)", lines[0]), lines
+        r"within the 100% it may\)", lines[0]), lines
 
 
 def test_a_resume_with_fewer_tokens_per_step_keeps_muon(tmp_path):
     """--optimizer auto weighs Newton-Schulz against the tokens of a step, which a resume may change
     (another --batch_size, or another process count): the run keeps the optimizer its checkpoint
-    trained with (here 2 samples a step would have made auto pick AdamW, whose state Muon's is not),
-    and an explicit other optimizer stops at once in one line."""
+    trained with, whatever auto would weigh at the new batch (the stored choice, not a new decision,
+    shows in the log), and an explicit other optimizer stops at once in one line."""
     ensure_demo_corpus()
     base = [*TINY, *out_args(tmp_path), "--save_interval", "2", "--max_steps", "8"]
     first = run_trainer([*base, "--max_steps", "2"], tmp_path / "first")

@@ -85,7 +85,7 @@ class OptimConfig:
                               check=share("the lr floor as a share of each peak, e.g. 0.1"))
     optimizer: str = flag("auto", "muon: Muon on the blocks' 2-D weights, AdamW on the embedding (= tied head) and "
                           "norms; adamw: AdamW on everything; auto: muon where its Newton-Schulz runs in a native "
-                          "precision and adds at most 75%% to a step's FLOPs (docs/performance.md), else adamw",
+                          "precision and adds at most 100%% to a step's FLOPs (docs/performance.md), else adamw",
                           choices=("auto", "adamw", "muon"))
     muon_lr: float | Literal["auto"] = flag("auto", "Muon's peak lr; auto: 0.01 up to hidden 256, 0.02 from 512, linear between "
                           "(docs/time-to-quality.md)", type=auto_or(float),
