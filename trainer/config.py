@@ -36,6 +36,7 @@ from common.errors import UserError
 from dataset.demo_corpus import DEMO_CORPUS
 from model.model_minimind import SHAPE_FIELDS
 from model.shape_flags import flag_default
+from trainer.auto import MUON_STEP_BOUND
 from trainer.schedule import SCHEDULES
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -85,7 +86,8 @@ class OptimConfig:
                               check=share("the lr floor as a share of each peak, e.g. 0.1"))
     optimizer: str = flag("auto", "muon: Muon on the blocks' 2-D weights, AdamW on the embedding (= tied head) and "
                           "norms; adamw: AdamW on everything; auto: muon where its Newton-Schulz runs in a native "
-                          "precision and adds at most 100%% to a step's FLOPs (docs/performance.md), else adamw",
+                          f"precision and adds at most {MUON_STEP_BOUND - 1:.0%}% to a step's FLOPs "
+                          "(docs/performance.md), else adamw",
                           choices=("auto", "adamw", "muon"))
     muon_lr: float | Literal["auto"] = flag("auto", "Muon's peak lr; auto: 0.01 up to hidden 256, 0.02 from 512, linear between "
                           "(docs/time-to-quality.md)", type=auto_or(float),
