@@ -93,9 +93,11 @@ def test_auto_for_a_new_run_and_for_a_resume():
     assert (kept.optim.lr_schedule, kept.optim.muon_lr) == ("cosine", 0.03)
 
 
-@pytest.mark.parametrize("hidden_size, muon_lr", [(64, 0.01), (256, 0.01), (384, 0.015), (512, 0.02), (768, 0.02)])
+@pytest.mark.parametrize("hidden_size, muon_lr", [(64, 0.01), (256, 0.01), (384, 0.015), (512, 0.02), (640, 0.02),
+                                                   (768, 0.02), (1024, 0.02)])
 def test_a_new_runs_muon_lr_follows_the_width_it_was_measured_at(hidden_size, muon_lr):
-    """0.01 at 256 and 0.02 at 512 (docs/time-to-quality.md), a straight line between, held beyond."""
+    """The measured points, 0.01 at 256 and 0.02 at 512 and 768 (docs/time-to-quality.md); a
+    straight line between (384: half way from 0.01 to 0.02); the nearest point's beyond them."""
     assert fresh_recipe(hidden_size)["muon_lr"] == muon_lr
 
 

@@ -2,7 +2,7 @@
 
     --dtype        the machine's native precision (resolve_dtype)
     --optimizer    Muon where its step costs at most MUON_STEP_BOUND AdamW steps (resolve_optimizer)
-    --lr_schedule, --normuon, --muon_lr    a new run's recipe at its width (fresh_recipe)
+    --lr_schedule, --normuon, --muon_lr    a new run's recipe at its width (fresh_recipe, MUON_LR_BY_WIDTH)
 
 The hardware facts come in as arguments (resolve_*) or are read from this machine (detect_*,
 through trainer/device.py), so the rules are tested for every machine on any one. resolve_auto
@@ -10,6 +10,7 @@ applies them to a run's config, logs each choice with its reason, and marks the 
 """
 import dataclasses
 
+import numpy
 import torch
 
 from trainer.device import cuda_has_native_bf16, native_bf16_cpu_flags, read_cpu_flags
@@ -93,12 +94,23 @@ def detect_optimizer(device: torch.device, dtype: str, param_groups: str = "spli
 
 
 # ---------------------------------------------------------------------------- a new run's recipe
+# Muon's peak lr at the widths it was measured at (docs/time-to-quality.md; bench_quality.py, seq
+# 340, batch 8, 300 steps): at 256 x 4 0.01 beat 0.02 over 3 seeds and 0.04 lost; at 512 x 8 0.02
+# beat 0.01 over 2 seeds; at 768 x 8 0.02 beat 0.04 and 0.01, 2 seeds each for the best two.
+MUON_LR_BY_WIDTH = ((256, 0.01), (512, 0.02), (768, 0.02))
+
+
+def muon_lr_by_width(hidden_size: int) -> float:
+    """MUON_LR_BY_WIDTH's lr at a measured width, a straight line between two measured widths, and
+    the nearest measured width's beyond them (no guess past what was measured)."""
+    widths, lrs = zip(*MUON_LR_BY_WIDTH)
+    return round(float(numpy.interp(hidden_size, widths, lrs)), 6)
+
+
 def fresh_recipe(hidden_size: int) -> dict:
     """A new run's schedule, NorMuon and Muon lr under auto: what beat the older defaults over 3
-    seeds (docs/time-to-quality.md). Muon's lr follows the width: 0.01 ended lower than 0.02 at
-    hidden 256 and higher at 512, so 0.01 up to 256, 0.02 from 512, and a straight line between."""
-    muon_lr = 0.02 * min(1.0, max(0.5, hidden_size / 512))
-    return {"lr_schedule": "wsd", "normuon": 1, "muon_lr": round(muon_lr, 6)}
+    seeds (docs/time-to-quality.md), with Muon's lr by width (muon_lr_by_width)."""
+    return {"lr_schedule": "wsd", "normuon": 1, "muon_lr": muon_lr_by_width(hidden_size)}
 
 
 def resolve_auto(cfg, origin: dict, device, sharded: bool, lm_config, tokens_per_step: int):

@@ -36,7 +36,7 @@ from common.errors import UserError
 from dataset.demo_corpus import DEMO_CORPUS
 from model.model_minimind import SHAPE_FIELDS
 from model.shape_flags import flag_default
-from trainer.auto import MUON_STEP_BOUND
+from trainer.auto import MUON_LR_BY_WIDTH, MUON_STEP_BOUND
 from trainer.schedule import SCHEDULES
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -89,9 +89,11 @@ class OptimConfig:
                           f"precision and adds at most {MUON_STEP_BOUND - 1:.0%}% to a step's FLOPs "
                           "(docs/performance.md), else adamw",
                           choices=("auto", "adamw", "muon"))
-    muon_lr: float | Literal["auto"] = flag("auto", "Muon's peak lr; auto: 0.01 up to hidden 256, 0.02 from 512, linear between "
-                          "(docs/time-to-quality.md)", type=auto_or(float),
-                          check=number_from(0, "Muon's peak learning rate, e.g. 0.01", strict=True))
+    muon_lr: float | Literal["auto"] = flag(
+        "auto", "Muon's peak lr; auto: by width, the lr measured best at "
+        f"{', '.join(f'hidden {width} ({lr:g})' for width, lr in MUON_LR_BY_WIDTH)}, a straight line between, the "
+        "nearest beyond (docs/time-to-quality.md)", type=auto_or(float),
+        check=number_from(0, "Muon's peak learning rate, e.g. 0.01", strict=True))
     normuon: int | Literal["auto"] = flag("auto", "1: NorMuon, each row of Muon's update divided by the root of its running mean "
                         "square, then rescaled to the update's norm; auto: 1 with Muon", type=auto_or(int),
                         choices=("auto", 0, 1))
