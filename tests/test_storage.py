@@ -355,6 +355,30 @@ def test_split_corpus_renames_neither_file_until_both_are_on_disk(tmp_path, monk
     assert list((tmp_path / "out").iterdir()) == []
 
 
+def test_a_tokenizer_on_a_full_disk_is_one_line_and_keeps_the_one_before(tmp_path, small_disk, capsys):
+    from tests.support.tiny import ensure_demo_corpus
+    from trainer.train_tokenizer import main
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(ensure_demo_corpus().read_text().splitlines(keepends=True)[:300]))
+    argv = lambda out: ["--data_path", str(corpus), "--vocab_size", "400", "--out_dir", str(out),  # noqa: E731
+                        "--no_progress"]
+    main(argv(tmp_path / "roomy"))
+    disk = small_disk(MiB)
+    before = disk.path / "tokenizer"
+    before.mkdir()
+    (before / "tokenizer.json").write_text("the tokenizer trained before")
+    disk.fill(leave=(tmp_path / "roomy" / "tokenizer.json").stat().st_size // 2)
+    code, err = run_script(main, argv(before), disk, capsys)
+    assert code == 2 and "Traceback" not in err, err[-3000:]
+    [line] = err.strip().splitlines()
+    assert re.fullmatch(rf"error: cannot write the tokenizer file {before}/tokenizer.json: no space left on device "
+                        rf"\([\d.,]+ KiB free there, [\d.,]+ KiB needed\); free space there or pass another --out_dir",
+                        line), line
+    assert [p.name for p in before.iterdir()] == ["tokenizer.json"]
+    assert (before / "tokenizer.json").read_text() == "the tokenizer trained before"
+
+
 # ---------------------------------------------------------------------------- the Hugging Face export
 def test_an_export_that_does_not_fit_is_one_line_and_leaves_no_half_folder(tmp_path, small_disk, capsys):
     """convert_model.py writes and verifies the export beside --out_dir and moves it in whole: a

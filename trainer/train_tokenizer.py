@@ -21,6 +21,7 @@ import time
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from common.errors import UserError, report_user_errors
+from common.storage import atomic_write_text
 from dataset.demo_corpus import DEMO_CORPUS, ensure_demo_corpus
 from dataset.lm_dataset import iter_jsonl_texts
 
@@ -87,11 +88,10 @@ def save(tokenizer, out_dir):
     """Write tokenizer.json, tokenizer_config.json and the chat template into out_dir."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(out_dir / "tokenizer.json"))
-    (out_dir / CHAT_TEMPLATE.name).write_text(CHAT_TEMPLATE.read_text())
-    with open(out_dir / "tokenizer_config.json", "w", encoding="utf-8") as f:
-        json.dump(tokenizer_config(), f, ensure_ascii=False, indent=2)
-        f.write("\n")
+    files = {"tokenizer.json": tokenizer.to_str(pretty=True), CHAT_TEMPLATE.name: CHAT_TEMPLATE.read_text(),
+             "tokenizer_config.json": json.dumps(tokenizer_config(), ensure_ascii=False, indent=2) + "\n"}
+    for name, text in files.items():  # each whole or not at all: a full disk leaves the old file in place
+        atomic_write_text(out_dir / name, text, "the tokenizer file", elsewhere="pass another --out_dir")
     return out_dir
 
 
