@@ -379,6 +379,20 @@ def test_a_tokenizer_on_a_full_disk_is_one_line_and_keeps_the_one_before(tmp_pat
     assert (before / "tokenizer.json").read_text() == "the tokenizer trained before"
 
 
+def test_a_tokenizer_renames_none_of_its_files_until_all_are_on_disk(tmp_path, monkeypatch):
+    from trainer.train_tokenizer import save, train
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(f'{{"text": "document {i} of words"}}\n' for i in range(50)))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "tokenizer.json").write_text("the tokenizer trained before")
+    fsync_fails_for(monkeypatch, "tokenizer_config.json.tmp")  # the last of the three
+    with pytest.raises(StorageError, match=rf"^cannot write the tokenizer file {tmp_path}/out/tokenizer_config.json: "):
+        save(train(corpus, 300, progress=False), tmp_path / "out")
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["tokenizer.json"]
+    assert (tmp_path / "out" / "tokenizer.json").read_text() == "the tokenizer trained before"
+
+
 # ---------------------------------------------------------------------------- the Hugging Face export
 def test_an_export_that_does_not_fit_is_one_line_and_leaves_no_half_folder(tmp_path, small_disk, capsys):
     """convert_model.py writes and verifies the export beside --out_dir and moves it in whole: a

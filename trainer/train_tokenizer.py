@@ -17,11 +17,12 @@ sys.path.insert(0, str(REPO_ROOT))
 import argparse
 import json
 import time
+from contextlib import ExitStack
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from common.errors import UserError, report_user_errors
-from common.storage import atomic_write_text
+from common.storage import AtomicFile
 from dataset.demo_corpus import DEMO_CORPUS, ensure_demo_corpus
 from dataset.lm_dataset import iter_jsonl_texts
 
@@ -90,8 +91,13 @@ def save(tokenizer, out_dir):
     out_dir.mkdir(parents=True, exist_ok=True)
     files = {"tokenizer.json": tokenizer.to_str(pretty=True), CHAT_TEMPLATE.name: CHAT_TEMPLATE.read_text(),
              "tokenizer_config.json": json.dumps(tokenizer_config(), ensure_ascii=False, indent=2) + "\n"}
-    for name, text in files.items():  # each whole or not at all: a full disk leaves the old file in place
-        atomic_write_text(out_dir / name, text, "the tokenizer file", elsewhere="pass another --out_dir")
+    with ExitStack() as stack:
+        outs = [stack.enter_context(AtomicFile(out_dir / name, "the tokenizer file", "w", needed=len(text.encode()),
+                                               elsewhere="pass another --out_dir")) for name, text in files.items()]
+        for out, text in zip(outs, files.values()):
+            out.write(text)
+        for out in outs:
+            out.close()  # all on disk before any is renamed: a full disk leaves the tokenizer before whole
     return out_dir
 
 
