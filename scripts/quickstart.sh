@@ -41,7 +41,7 @@ LAYERS="${QS_LAYERS:-4}"
 SEQ="${QS_SEQ:-256}"               # tokens per packed training window
 BATCH="${QS_BATCH:-4}"             # windows per process per step: global batch = BATCH x NPROC
 STEPS="${QS_STEPS:-600}"
-LR="${QS_LR:-3e-3}"                # AdamW's peak (embedding, norms); linear warmup, then the trainer's schedule
+LR="${QS_LR:-auto}"               # AdamW's peak; auto: the trainer's (3e-3 beside Muon, by width on everything)
 OPTIMIZER="${QS_OPTIMIZER:-auto}"  # the trainer's default: Muon where it pays, else AdamW (trainer/auto.py)
 MUON_LR="${QS_MUON_LR:-auto}"      # Muon's peak; auto: the trainer's default (trainer/config.py)
 WARMUP="${QS_WARMUP:-10}"

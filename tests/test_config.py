@@ -1,6 +1,6 @@
 """trainer/config.py and trainer/auto.py: the typed config built from the command line, the
 one rule a resume follows, and what the auto flags become: --dtype auto and --optimizer auto on
-each kind of machine (the hardware facts passed in), the schedule, NorMuon and Muon's lr of a new
+each kind of machine (the hardware facts passed in), the schedule, NorMuon and the lrs of a new
 run, and how a resume keeps its checkpoint's."""
 import json
 import re
@@ -13,7 +13,8 @@ from tests.support.jobs import run_trainer
 from tests.support.run_outputs import latest_checkpoint, out_args
 from tests.support.tiny import TINY, ensure_demo_corpus
 from trainer import auto, device
-from trainer.auto import fresh_recipe, resolve_auto, resolve_dtype, resolve_optimizer
+from trainer.auto import (ADAMW_LR_BESIDE_MUON, ADAMW_LR_BY_WIDTH, fresh_recipe, resolve_auto, resolve_dtype,
+                          resolve_optimizer)
 from trainer.config import FIXED, TrainConfig, legacy_record, parse_config, resume_config
 from trainer.metrics import muon_flop_share
 
@@ -85,9 +86,17 @@ def test_auto_for_a_new_run_and_for_a_resume():
     model = MiniMindConfig(hidden_size=256, num_hidden_layers=2)
     cfg = resolve_auto(TrainConfig.of(dtype="float32"), {}, torch.device("cpu"), False, model, 8 * 340)
     assert (cfg.optim.optimizer, cfg.optim.lr_schedule, cfg.optim.normuon, cfg.optim.muon_lr) == ("muon", "wsd", 1, 0.01)
+    assert cfg.optim.learning_rate == ADAMW_LR_BESIDE_MUON == 3e-3  # AdamW on the embedding and norms only
     adamw = resolve_auto(TrainConfig.of(dtype="float32", optimizer="adamw"), {"optimizer": "typed"},
                          torch.device("cpu"), False, model, 8 * 340)
     assert adamw.optim.normuon == 0  # NorMuon is Muon's
+    assert adamw.optim.learning_rate == dict(ADAMW_LR_BY_WIDTH)[256]  # AdamW on everything: by width
+    wide = MiniMindConfig(hidden_size=768, num_hidden_layers=2)  # auto takes AdamW where Newton-Schulz costs too much
+    tiny_batch = resolve_auto(TrainConfig.of(dtype="float32"), {}, torch.device("cpu"), False, wide, 64)
+    assert (tiny_batch.optim.optimizer, tiny_batch.optim.learning_rate) == ("adamw", dict(ADAMW_LR_BY_WIDTH)[768])
+    typed = resolve_auto(TrainConfig.of(dtype="float32", optimizer="adamw", learning_rate=1e-3),
+                         {"learning_rate": "typed"}, torch.device("cpu"), False, model, 8 * 340)
+    assert typed.optim.learning_rate == 1e-3
     kept = resolve_auto(TrainConfig.of(dtype="float32", optimizer="adamw", lr_schedule="cosine", muon_lr=0.03),
                         {"lr_schedule": "stored"}, torch.device("cpu"), False, model, 8 * 340)
     assert (kept.optim.lr_schedule, kept.optim.muon_lr) == ("cosine", 0.03)
@@ -98,7 +107,17 @@ def test_auto_for_a_new_run_and_for_a_resume():
 def test_a_new_runs_muon_lr_follows_the_width_it_was_measured_at(hidden_size, muon_lr):
     """The measured points, 0.01 at 256 and 0.02 at 512 and 768 (docs/time-to-quality.md); a
     straight line between (384: half way from 0.01 to 0.02); the nearest point's beyond them."""
-    assert fresh_recipe(hidden_size)["muon_lr"] == muon_lr
+    assert fresh_recipe(hidden_size, "muon")["muon_lr"] == muon_lr
+
+
+@pytest.mark.parametrize("hidden_size, adamw_lr", [(64, 1.5e-3), (256, 1.5e-3), (384, 9.375e-4), (512, 3.75e-4),
+                                                    (640, 2.8125e-4), (768, 1.875e-4), (1024, 1.875e-4)])
+def test_a_new_runs_adamw_lr_follows_the_width_it_was_measured_at_when_it_trains_everything(hidden_size, adamw_lr):
+    """AdamW on everything: 1.5e-3 at 256, 3.75e-4 at 512 and 1.875e-4 at 768 (docs/time-to-quality.md),
+    a straight line between (384: 1.5e-3 + (3.75e-4 - 1.5e-3) / 2), the nearest beyond. Beside Muon,
+    on the embedding and norms, 3e-3 at every width."""
+    assert fresh_recipe(hidden_size, "adamw")["learning_rate"] == adamw_lr
+    assert fresh_recipe(hidden_size, "muon")["learning_rate"] == 3e-3
 
 
 # ---------------------------------------------------------------------------- auto on each machine

@@ -17,8 +17,8 @@ def tiny_model(**kw):
 
 
 def optim(**values):
-    """The config's optim group with every auto decided: AdamW, the cosine, Muon at 0.02 without NorMuon."""
-    resolved = {"optimizer": "adamw", "lr_schedule": "cosine", "normuon": 0, "muon_lr": 0.02}
+    """The config's optim group with every auto decided: AdamW at 3e-3, the cosine, Muon at 0.02 without NorMuon."""
+    resolved = {"optimizer": "adamw", "lr_schedule": "cosine", "normuon": 0, "muon_lr": 0.02, "learning_rate": 3e-3}
     return TrainConfig.of(**{**resolved, **values}).optim
 
 
@@ -183,7 +183,8 @@ def test_a_bad_option_is_one_line_naming_its_flag(flags, message):
 
 
 def test_adam_betas_reach_adamw_and_a_bad_pair_is_one_line(capsys):
-    cfg = parse_config(["--adam_betas", "0.9,0.999"])[0].replace(optimizer="muon", muon_lr=0.02, normuon=0)
+    cfg = parse_config(["--adam_betas", "0.9,0.999"])[0].replace(optimizer="muon", muon_lr=0.02, normuon=0,
+                                                                  learning_rate=3e-3)
     adamw = build_optimizer(tiny_model(), cfg.optim)[0]
     assert adamw.defaults["betas"] == (0.9, 0.999)
     assert parse_config([])[0].optim.adam_betas == (0.9, 0.95)

@@ -2,7 +2,8 @@
 
     --dtype        the machine's native precision (resolve_dtype)
     --optimizer    Muon where its step costs at most MUON_STEP_BOUND AdamW steps (resolve_optimizer)
-    --lr_schedule, --normuon, --muon_lr    a new run's recipe at its width (fresh_recipe, MUON_LR_BY_WIDTH)
+    --lr_schedule, --normuon, --muon_lr, --learning_rate
+                   a new run's recipe at its width, for its optimizer (fresh_recipe, LR tables)
 
 The hardware facts come in as arguments (resolve_*) or are read from this machine (detect_*,
 through trainer/device.py), so the rules are tested for every machine on any one. resolve_auto
@@ -17,7 +18,7 @@ from trainer.device import cuda_has_native_bf16, native_bf16_cpu_flags, read_cpu
 from trainer.distributed import Logger
 from trainer.metrics import muon_flop_share
 
-AUTO_FLAGS = ("dtype", "optimizer", "lr_schedule", "normuon", "muon_lr")
+AUTO_FLAGS = ("dtype", "optimizer", "lr_schedule", "normuon", "muon_lr", "learning_rate")
 
 
 # ---------------------------------------------------------------------------- the machine's choices
@@ -44,11 +45,11 @@ def resolve_dtype(flag: str, device_type: str, cpu_flags=frozenset(), cuda_bf16:
 
 
 # --optimizer auto's criterion: the most a Muon step may cost, in AdamW steps, counted in FLOPs (1 +
-# muon_flop_share). Measured (docs/performance.md): Muon reached MiniMind's final loss in 1/2.9 of AdamW's
-# steps at 3e-3 at 256 x 4, 1/2.2 to 1/2.7 at 512 x 8 and 1/2.7 at 768 x 8, so a step costing up to 2.2 AdamW
-# steps still arrives sooner; the bound keeps a margin below the smallest saving. At 768 x 8 with 8 x 340
-# tokens a step (a 95% share) Muon arrived 1.6x sooner in seconds; against AdamW at its best lr measured
-# there (7.5e-4, 1/1.73 of its steps) about 1.1x sooner, and 9.5% lower in bits per byte at the end.
+# muon_flop_share). Measured against AdamW on everything at its best lr (docs/performance.md, the EPYC,
+# bf16, 8 x 340 tokens a step), Muon reached MiniMind's final loss in 1/2.2 of AdamW's steps at 256 x 4
+# (a 22% share, steps of equal cost: about 1.7x sooner), in 1/1.45 at 512 x 8 (60%, a step 1.41x
+# AdamW's: 1.08x sooner) and in 1/1.5 at 768 x 8 (95%, 1.72x: level, 240 against 231 s), and ended
+# 7-8% lower in bits per byte each time. So the bound is that edge: up to it Muon arrives no later.
 MUON_STEP_BOUND = 2.0
 
 
@@ -95,23 +96,33 @@ def detect_optimizer(device: torch.device, dtype: str, param_groups: str = "spli
 
 
 # ---------------------------------------------------------------------------- a new run's recipe
-# Muon's peak lr at the widths it was measured at (docs/time-to-quality.md; bench_quality.py, seq
-# 340, batch 8, 300 steps): at 256 x 4 0.01 beat 0.02 over 3 seeds and 0.04 lost; at 512 x 8 0.02
-# beat 0.01 over 2 seeds; at 768 x 8 0.02 beat 0.04 and 0.01, 2 seeds each for the best two.
+# The peak lrs at the widths they were measured at (docs/time-to-quality.md; bench_quality.py, seq
+# 340, batch 8, 300 steps), as (hidden size, lr) points. Muon's: at 256 x 4 0.01 beat 0.02 over 3
+# seeds and 0.04 lost; at 512 x 8 0.02 beat 0.01 over 2 seeds; at 768 x 8 0.02 beat 0.04 and 0.01,
+# 2 seeds each for the best two.
 MUON_LR_BY_WIDTH = ((256, 0.01), (512, 0.02), (768, 0.02))
+# AdamW's, when it trains everything (--optimizer adamw, or auto's choice of it), the best falling with
+# width: at 256 x 4 1.5e-3 beat 7.5e-4, 3e-3 and 6e-3 (2 seeds each); at 512 x 8 3.75e-4 beat 7.5e-4
+# and 1.5e-3 (1 seed); at 768 x 8 1.875e-4 beat 3.75e-4, 7.5e-4, 1.5e-3 and 3e-3. Beside Muon it is higher:
+ADAMW_LR_BY_WIDTH = ((256, 1.5e-3), (512, 3.75e-4), (768, 1.875e-4))
+# where it trains only the embedding (= the tied head) and the norms, neither 1.5e-3 nor 6e-3 beat
+# 3e-3 at 256 x 4, and scaling it down with width gained nothing at 512 x 8.
+ADAMW_LR_BESIDE_MUON = 3e-3
 
 
-def muon_lr_by_width(hidden_size: int) -> float:
-    """MUON_LR_BY_WIDTH's lr at a measured width, a straight line between two measured widths, and
-    the nearest measured width's beyond them (no guess past what was measured)."""
-    widths, lrs = zip(*MUON_LR_BY_WIDTH)
-    return round(float(numpy.interp(hidden_size, widths, lrs)), 6)
+def lr_by_width(points, hidden_size: int) -> float:
+    """The lr of `points` ((width, lr), ...) at a measured width, a straight line between two
+    measured widths, and the nearest measured width's beyond them (no guess past what was measured)."""
+    widths, lrs = zip(*points)
+    return float(f"{float(numpy.interp(hidden_size, widths, lrs)):.6g}")
 
 
-def fresh_recipe(hidden_size: int) -> dict:
-    """A new run's schedule, NorMuon and Muon lr under auto: what beat the older defaults over 3
-    seeds (docs/time-to-quality.md), with Muon's lr by width (muon_lr_by_width)."""
-    return {"lr_schedule": "wsd", "normuon": 1, "muon_lr": muon_lr_by_width(hidden_size)}
+def fresh_recipe(hidden_size: int, optimizer: str) -> dict:
+    """A new run's schedule, NorMuon and peak lrs under auto for its (resolved) optimizer: what beat
+    the older defaults over 3 seeds (docs/time-to-quality.md), with the lrs by width."""
+    adamw_lr = ADAMW_LR_BESIDE_MUON if optimizer == "muon" else lr_by_width(ADAMW_LR_BY_WIDTH, hidden_size)
+    return {"lr_schedule": "wsd", "normuon": 1, "muon_lr": lr_by_width(MUON_LR_BY_WIDTH, hidden_size),
+            "learning_rate": adamw_lr}
 
 
 def resolve_auto(cfg, origin: dict, device, sharded: bool, lm_config, tokens_per_step: int):
@@ -127,12 +138,16 @@ def resolve_auto(cfg, origin: dict, device, sharded: bool, lm_config, tokens_per
         share = muon_flop_share(lm_config, tokens_per_step, cfg.model.max_seq_len)
         optimizer, reasons["optimizer"] = detect_optimizer(device, values["dtype"], cfg.optim.param_groups, share)
     values["optimizer"] = optimizer
-    fresh = fresh_recipe(lm_config.hidden_size)
-    for name in ("lr_schedule", "normuon", "muon_lr"):
+    fresh = fresh_recipe(lm_config.hidden_size, optimizer)
+    for name in ("lr_schedule", "normuon", "muon_lr", "learning_rate"):
         values[name] = getattr(cfg.optim, name)
         if values[name] == "auto":
             values[name] = fresh[name]
             reasons[name] = f"auto: a new run's default at hidden {lm_config.hidden_size} (docs/time-to-quality.md)"
+    if cfg.optim.learning_rate == "auto":
+        trains = "the embedding and norms beside Muon" if optimizer == "muon" else "everything"
+        reasons["learning_rate"] = (f"auto: AdamW on {trains} at hidden {lm_config.hidden_size} "
+                                    "(docs/time-to-quality.md)")
     # NorMuon is Muon's: an auto choice gives way to the other flag's value. Both typed, the
     # combination stops the run in check_config, which names them.
     chosen_by_auto = "auto" in (cfg.optim.optimizer, cfg.optim.normuon)

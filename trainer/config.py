@@ -11,11 +11,11 @@ nowhere else. A stage changes defaults through one table (train_full_sft.py's SF
     system   device, precision, parallelism, profiling                  this launch's
     chat     fine-tuning's conversation flags (train_full_sft.py only)  the run's
 
-Five flags may be `auto` (--dtype, --optimizer, --lr_schedule, --normuon, --muon_lr). They are
-decided once at start-up (trainer/auto.py's resolve_auto, which marks the config `resolved`),
-each logged with its reason, and the resolved config is stored whole in every checkpoint's
-record (trainer/checkpoint.py). The checks (check_config) run on that final config: the one a
-resume merged and auto resolved, the one the run trains with.
+Six flags may be `auto` (--dtype, --optimizer, --lr_schedule, --normuon, --muon_lr,
+--learning_rate). They are decided once at start-up (trainer/auto.py's resolve_auto, which marks
+the config `resolved`), each logged with its reason, and the resolved config is stored whole in
+every checkpoint's record (trainer/checkpoint.py). The checks (check_config) run on that final
+config: the one a resume merged and auto resolved, the one the run trains with.
 
 A resume follows one rule (resume_config): the run's groups come from the checkpoint's stored
 config, and a flag typed on this command line changes them, except that a typed value the
@@ -36,7 +36,7 @@ from common.errors import UserError
 from dataset.demo_corpus import DEMO_CORPUS
 from model.model_minimind import SHAPE_FIELDS
 from model.shape_flags import flag_default
-from trainer.auto import MUON_LR_BY_WIDTH, MUON_STEP_BOUND
+from trainer.auto import ADAMW_LR_BESIDE_MUON, ADAMW_LR_BY_WIDTH, MUON_LR_BY_WIDTH, MUON_STEP_BOUND
 from trainer.schedule import SCHEDULES
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -49,6 +49,20 @@ LAUNCH_GROUPS = ("output", "system")
 
 
 # ---------------------------------------------------------------------------- the groups
+def lr_text(lr: float) -> str:
+    """An lr as a user types it: 0.02, 3e-3, 3.75e-4."""
+    if lr >= 0.01:
+        return f"{lr:g}"
+    mantissa, exponent = f"{lr:e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+
+
+def by_width(points) -> str:
+    """An lr table of trainer/auto.py as --help says it."""
+    measured = ", ".join(f"hidden {width} ({lr_text(lr)})" for width, lr in points)
+    return f"{measured}, a straight line between, the nearest beyond (docs/time-to-quality.md)"
+
+
 @dataclass(frozen=True)
 class OutputConfig:
     save_dir: str = flag(str(REPO_ROOT / "out"), "weights (.pth, with its config .json) and metrics go here")
@@ -73,8 +87,11 @@ class OptimConfig:
     accumulation_steps: int = flag(1, "micro-batches per optimizer step", check=at_least(1))
     global_batch_size: int = flag(0, "samples per optimizer step over all processes; derives --accumulation_steps "
                                   "(0: off)", check=at_least(0))
-    learning_rate: float = flag(3e-3, "AdamW's peak lr (MiniMind: 5e-4)",
-                                check=number_from(0, "the peak learning rate, e.g. 5e-4", strict=True))
+    learning_rate: float | Literal["auto"] = flag(
+        "auto", f"AdamW's peak lr (MiniMind: 5e-4); auto: {lr_text(ADAMW_LR_BESIDE_MUON)} beside Muon (the "
+        f"embedding and norms), and with AdamW on everything by width, the lr measured best at "
+        f"{by_width(ADAMW_LR_BY_WIDTH)}", type=auto_or(float),
+        check=number_from(0, "the peak learning rate, e.g. 5e-4", strict=True))
     warmup_steps: int = flag(10, "linear warmup to each group's peak, then --lr_schedule (MiniMind: 0)",
                              check=at_least(0))
     lr_schedule: str = flag("auto", "after the warmup: cosine decay to the floor at the last step (MiniMind's); wsd: "
@@ -90,9 +107,8 @@ class OptimConfig:
                           "(docs/performance.md), else adamw",
                           choices=("auto", "adamw", "muon"))
     muon_lr: float | Literal["auto"] = flag(
-        "auto", "Muon's peak lr; auto: by width, the lr measured best at "
-        f"{', '.join(f'hidden {width} ({lr:g})' for width, lr in MUON_LR_BY_WIDTH)}, a straight line between, the "
-        "nearest beyond (docs/time-to-quality.md)", type=auto_or(float),
+        "auto", f"Muon's peak lr; auto: by width, the lr measured best at {by_width(MUON_LR_BY_WIDTH)}",
+        type=auto_or(float),
         check=number_from(0, "Muon's peak learning rate, e.g. 0.01", strict=True))
     normuon: int | Literal["auto"] = flag("auto", "1: NorMuon, each row of Muon's update divided by the root of its running mean "
                         "square, then rescaled to the update's norm; auto: 1 with Muon", type=auto_or(int),
