@@ -13,7 +13,7 @@ import torch
 # apart. The tests then mean the same on every CPU; tests/test_bf16.py tests bf16 training on
 # its own terms. The optimizer and schedule are the defaults': Muon with NorMuon (fp32
 # Newton-Schulz in an fp32 run) and wsd, since one process's 4 x 64 tokens a step keep Muon's
-# share at 21% of the step's FLOPs (under the 100% bound of trainer/auto.py).
+# share at 21% of the step's FLOPs (under the 60% bound of trainer/auto.py).
 TINY = ["--hidden_size", "64", "--num_hidden_layers", "2", "--max_seq_len", "64", "--batch_size", "4",
         "--num_workers", "0", "--learning_rate", "2e-3", "--log_interval", "1", "--val_fraction", "0",
         "--dist_timeout", "60", "--device", "cpu", "--dtype", "float32"]
