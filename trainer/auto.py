@@ -140,15 +140,14 @@ def resolve_auto(cfg, origin: dict, device, sharded: bool, lm_config, tokens_per
         optimizer, reasons["optimizer"] = detect_optimizer(device, values["dtype"], cfg.optim.param_groups, share)
     values["optimizer"] = optimizer
     fresh = fresh_recipe(lm_config.hidden_size, optimizer)
+    trains = "the embedding and norms beside Muon" if optimizer == "muon" else "everything"
+    whose = {"learning_rate": f"AdamW on {trains}"}  # the one lr whose rule depends on the optimizer
     for name in ("lr_schedule", "normuon", "muon_lr", "learning_rate"):
         values[name] = getattr(cfg.optim, name)
         if values[name] == "auto":
             values[name] = fresh[name]
-            reasons[name] = f"auto: a new run's default at hidden {lm_config.hidden_size} (docs/time-to-quality.md)"
-    if cfg.optim.learning_rate == "auto":
-        trains = "the embedding and norms beside Muon" if optimizer == "muon" else "everything"
-        reasons["learning_rate"] = (f"auto: AdamW on {trains} at hidden {lm_config.hidden_size} "
-                                    "(docs/time-to-quality.md)")
+            what = whose.get(name, "a new run's default")
+            reasons[name] = f"auto: {what} at hidden {lm_config.hidden_size} (docs/time-to-quality.md)"
     # NorMuon is Muon's: an auto choice gives way to the other flag's value. Both typed, the
     # combination stops the run in check_config, which names them.
     chosen_by_auto = "auto" in (cfg.optim.optimizer, cfg.optim.normuon)
