@@ -66,3 +66,42 @@ def test_eval_llm_and_trainer_validation_agree_on_bits_per_byte(tmp_path):
     loader = DataLoader(NextTokenTargets(PretrainDataset(str(docs), tok, 64)), batch_size=2)
     loss_t, bpb_t = evaluate(model, loader, nullcontext(), "cpu", token_byte_lengths(tok, 6400))
     assert bpb_t == pytest.approx(bpb, rel=1e-5) and loss_t == pytest.approx(loss, rel=1e-5)
+
+
+@pytest.mark.parametrize("trains_with_doc_mask", [False, True])
+def test_validation_scores_each_packed_document_alone(trains_with_doc_mask, monkeypatch):
+    """A packed held-out window of two documents scores exactly what the two documents score
+    each in its own row, whether or not the run trains with --doc_mask, and not what the window
+    scores with plain causal attention (the second document would see the first). A run that
+    trains without FlexAttention is handed the dense mask (flex=False), on CUDA too."""
+    from contextlib import nullcontext
+
+    import model.document_mask as document_mask
+    from dataset.lm_dataset import load_tokenizer
+    from dataset.token_bytes import token_byte_lengths
+    from trainer.evaluate import evaluate, validate
+    from trainer.step import TrainParts
+
+    torch.manual_seed(0)
+    model = MiniMindForCausalLM(MiniMindConfig(hidden_size=64, num_hidden_layers=2, vocab_size=6400)).eval()
+    bos, eos, pad = 1, 2, 0
+    first, second = [bos, 40, 41, 42, 43, eos], [bos, 50, 51, eos]
+    window = torch.tensor([first + second])
+    packed = [(window[:, :-1], window[:, 1:])]
+    rows = torch.tensor([first, second + [pad] * 2])
+    # The first's EOS predicts the BOS after it, as in the window; the second's padding scores nothing.
+    targets = torch.cat([rows[:, 1:], torch.tensor([[bos], [-100]])], dim=1)
+    targets[1, len(second) - 1:] = -100
+    alone = [(rows, targets)]
+    lengths = token_byte_lengths(load_tokenizer(REPO_ROOT / "model"), 6400)
+    kinds = []
+    real = document_mask.document_causal_mask
+    monkeypatch.setattr("trainer.step.document_causal_mask", lambda s, flex=None: kinds.append(flex) or real(s, flex))
+    parts = TrainParts(model, model, None, None, nullcontext(), torch.device("cpu"), 1, doc_mask=trains_with_doc_mask,
+                       bos_id=bos)
+    (loss, bpb), _ = validate(parts, packed, None, "cpu", 0, 1, lengths, False)
+    want_loss, want_bpb = evaluate(model, alone, nullcontext(), "cpu", lengths)
+    assert loss == pytest.approx(want_loss, rel=1e-5) and bpb == pytest.approx(want_bpb, rel=1e-5)
+    plain_loss, _ = evaluate(model, packed, nullcontext(), "cpu", lengths)
+    assert abs(plain_loss - loss) > 1e-4
+    assert kinds == [None if trains_with_doc_mask else False]

@@ -276,7 +276,12 @@ def validate(parts, val_loader, task, device, rank: int, world_size: int, byte_l
     Both are collectives: every rank calls this at the same steps. parts: the loop's TrainParts."""
     val, scores = None, None
     if val_loader is not None:
-        val = evaluate(parts.net, val_loader, parts.autocast, device, byte_lengths, parts.doc_mask, parts.bos_id)
+        # Each held-out document is scored on its own context, whatever --doc_mask trains with:
+        # its bits per byte then do not depend on which documents were packed before it, and
+        # padded, packed and document-masked runs compare on one yardstick. A run that trains
+        # without FlexAttention validates with the dense mask, so nothing new is compiled.
+        val = evaluate(parts.net, val_loader, parts.autocast, device, byte_lengths, True, parts.bos_id,
+                       flex=None if parts.doc_mask else False)
     if task is not None:
         scores = evaluate_task_in_group(parts.net, task, device, parts.autocast, rank, world_size, sharded)
     return val, scores
@@ -284,17 +289,18 @@ def validate(parts, val_loader, task, device, rank: int, world_size: int, byte_l
 
 @torch.no_grad()
 def evaluate(net, val_loader, autocast, device, byte_lengths, doc_mask: bool = False,
-             bos_id: int | None = None) -> tuple[float, float]:
+             bos_id: int | None = None, flex: bool | None = None) -> tuple[float, float]:
     """(mean token loss, bits per byte) over the fixed validation slice of (input ids, next-token
-    targets[, document starts]), summed over all ranks, with the attention training has;
-    dataset/token_bytes.py says which targets and bytes count."""
+    targets[, document starts]), summed over all ranks; dataset/token_bytes.py says which targets
+    and bytes count. doc_mask: each document of a window attends to itself only (flex as in
+    trainer/step.py's attention_mask)."""
     net.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     for batch in val_loader:
         batch = [t.to(device) for t in batch]
         x, targets = batch[0], batch[1]
         with autocast:
-            out = net(x, attention_mask=attention_mask(batch, doc_mask, bos_id), shift_labels=targets,
+            out = net(x, attention_mask=attention_mask(batch, doc_mask, bos_id, flex), shift_labels=targets,
                       num_items_in_batch=1)  # a sum, not a mean
         totals += torch.stack([out.loss.double(), (targets != IGNORE_INDEX).sum().double(),
                                target_bytes(targets, byte_lengths).double()])

@@ -65,15 +65,15 @@ class StepResult:
         return (self.figures["loss"] / self.figures["tokens"]).item()
 
 
-def attention_mask(batch, doc_mask: bool, bos_id: int | None):
+def attention_mask(batch, doc_mask: bool, bos_id: int | None, flex: bool | None = None):
     """The document mask of a batch of packed windows, or None for plain causal attention. A
     batch is (input ids, next-token targets) or, where the data marks where its documents start,
     (input ids, targets, starts): conversations, whose every turn begins with BOS. Otherwise
-    each BOS starts a document."""
+    each BOS starts a document. flex: model/document_mask.py's choice of mask kind."""
     if not doc_mask:
         return None
     starts = batch[2] if len(batch) > 2 else batch[0] == bos_id
-    return document_causal_mask(starts)
+    return document_causal_mask(starts, flex)
 
 
 def optimizer_step(parts: TrainParts, micro_batches, grad_clip: float = 0.0,
