@@ -17,11 +17,23 @@ def document_ids(starts):
     return torch.cumsum(starts.to(torch.int32), dim=1)
 
 
+# GPUs whose shared memory per block (163 KiB and more) holds FlexAttention's default Triton kernels,
+# backward included: A100 (8.0), H100/H200 (9.0), B200 (10.0). The consumer parts' 99 KiB (8.6, 8.9,
+# 12.x) and sm 7.5's 64 KiB fail to compile some of them ("out of resource: shared memory").
+FLEX_CAPABILITIES = ((8, 0), (9, 0), (10, 0))
+
+
+def flex_fits(device: torch.device) -> bool:
+    """Whether FlexAttention's compiled kernels run on `device`: a GPU of FLEX_CAPABILITIES."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) in FLEX_CAPABILITIES
+
+
 def document_causal_mask(starts, flex=None):
-    """The mask for the model's attention: a BlockMask on CUDA (flex=None), the dense mask
-    elsewhere, since FlexAttention has no backward on CPU (scripts/bench/bench_ops.py attention)."""
+    """The mask for the model's attention: a BlockMask where FlexAttention fits the GPU (flex=None),
+    the dense mask elsewhere: on CPU FlexAttention has no backward (scripts/bench/bench_ops.py
+    attention), and on other GPUs SDPA takes the dense mask in its memory-efficient kernel."""
     if flex is None:
-        flex = starts.is_cuda
+        flex = flex_fits(starts.device)
     return document_block_mask(starts) if flex else dense_document_mask(starts)
 
 

@@ -179,6 +179,19 @@ def test_document_causal_mask_is_dense_on_cpu_unless_asked():
     assert isinstance(document_causal_mask(ids == BOS, flex=True), BlockMask)
 
 
+def test_flex_attention_only_on_gpus_whose_shared_memory_holds_its_kernels(monkeypatch):
+    """A100, H100/H200 and B200 take FlexAttention; consumer GPUs (99 KiB of shared memory per
+    block), sm 7.5 and the CPU take the dense mask, which SDPA runs everywhere."""
+    from model.document_mask import flex_fits
+
+    gpu = torch.device("cuda", 0)
+    for capability, fits in [((8, 0), True), ((9, 0), True), ((10, 0), True), ((7, 5), False), ((8, 6), False),
+                             ((8, 9), False), ((12, 0), False)]:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert flex_fits(gpu) is fits, capability
+    assert flex_fits(torch.device("cpu")) is False
+
+
 @torch.no_grad()
 def test_flex_attention_equals_dense_mask_forward(monkeypatch):
     """FlexAttention against SDPA with the dense mask. Eager flex_attention here: compiling it
