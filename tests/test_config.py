@@ -102,6 +102,25 @@ def test_auto_for_a_new_run_and_for_a_resume():
     assert (kept.optim.lr_schedule, kept.optim.muon_lr) == ("cosine", 0.03)
 
 
+def test_weight_decay_and_the_document_mask_follow_the_optimizer():
+    """auto: weight decay 0.3 and attention within documents with Muon, torch's 0.01 and attention
+    across the window for AdamW on everything, whichever way the optimizer was chosen; a typed or
+    stored value stays."""
+    from model.model_minimind import MiniMindConfig
+
+    def resolved(model, tokens, origin=None, **flags):
+        cfg = resolve_auto(TrainConfig.of(dtype="float32", **flags), origin or {}, torch.device("cpu"), False, model,
+                           tokens)
+        return cfg.optim.optimizer, cfg.optim.weight_decay, cfg.data.doc_mask
+
+    small, wide = MiniMindConfig(hidden_size=256, num_hidden_layers=2), MiniMindConfig(hidden_size=768, num_hidden_layers=2)
+    assert resolved(small, 8 * 340) == ("muon", 0.3, 1)
+    assert resolved(small, 8 * 340, {"optimizer": "typed"}, optimizer="adamw") == ("adamw", 0.01, 0)
+    assert resolved(wide, 64) == ("adamw", 0.01, 0)  # auto took AdamW: Newton-Schulz would cost too much
+    assert resolved(small, 8 * 340, {"weight_decay": "typed", "doc_mask": "stored"}, weight_decay=0.05,
+                    doc_mask=0) == ("muon", 0.05, 0)
+
+
 @pytest.mark.parametrize("hidden_size, muon_lr", [(64, 0.01), (256, 0.01), (384, 0.015), (512, 0.02), (640, 0.02),
                                                    (768, 0.02), (1024, 0.02)])
 def test_a_new_runs_muon_lr_follows_the_width_it_was_measured_at(hidden_size, muon_lr):

@@ -11,8 +11,8 @@ nowhere else. A stage changes defaults through one table (train_full_sft.py's SF
     system   device, precision, parallelism, profiling                  this launch's
     chat     fine-tuning's conversation flags (train_full_sft.py only)  the run's
 
-Six flags may be `auto` (--dtype, --optimizer, --lr_schedule, --normuon, --muon_lr,
---learning_rate). They are decided once at start-up (trainer/auto.py's resolve_auto, which marks
+Eight flags may be `auto` (--dtype, --optimizer, --lr_schedule, --normuon, --muon_lr,
+--learning_rate, --weight_decay, --doc_mask). They are decided once at start-up (trainer/auto.py's resolve_auto, which marks
 the config `resolved`), each logged with its reason, and the resolved config is stored whole in
 every checkpoint's record (trainer/checkpoint.py). The checks (check_config) run on that final
 config: the one a resume merged and auto resolved, the one the run trains with.
@@ -36,7 +36,7 @@ from common.errors import UserError
 from dataset.demo_corpus import DEMO_CORPUS
 from model.model_minimind import SHAPE_FIELDS
 from model.shape_flags import flag_default
-from trainer.auto import ADAMW_LR_BESIDE_MUON, ADAMW_LR_BY_WIDTH, MUON_LR_BY_WIDTH, MUON_STEP_BOUND
+from trainer.auto import ADAMW_LR_BESIDE_MUON, ADAMW_LR_BY_WIDTH, MUON_LR_BY_WIDTH, MUON_STEP_BOUND, WEIGHT_DECAY
 from trainer.schedule import SCHEDULES
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -118,8 +118,10 @@ class OptimConfig:
     grad_clip: float = flag(1.0, "clip the global gradient norm (0 or less: off)",
                             check=lambda v: None if not math.isnan(v) else "must be a number (0 or less turns "
                                                                              "clipping off), got nan")
-    weight_decay: float = flag(0.01, "decoupled weight decay (AdamW and Muon)",
-                               check=number_from(0, "AdamW's decoupled weight decay, e.g. 0.01"))
+    weight_decay: float | Literal["auto"] = flag(
+        "auto", f"decoupled weight decay (AdamW and Muon); auto: {WEIGHT_DECAY['muon']} with Muon, "
+        f"{WEIGHT_DECAY['adamw']} (torch's and MiniMind's) for AdamW on everything (docs/time-to-quality.md)",
+        type=auto_or(float), check=number_from(0, "AdamW's decoupled weight decay, e.g. 0.01"))
     adam_betas: tuple = flag((0.9, 0.95), "AdamW's beta1,beta2 (MiniMind, torch's default: 0.9,0.999)",
                              type=adam_betas)
     seed: int = flag(42, "initial weights, sample order, per-rank generators",
@@ -149,8 +151,10 @@ class ModelConfig:
 class DataConfig:
     data_path: str = flag(str(DEMO_CORPUS), ".jsonl (padded) or .bin (packed, see prepare_data.py); or a "
                           "directory, manifest.json or quoted glob of .bin shards or .jsonl files")
-    doc_mask: int = flag(0, "packed data: attend within documents only (FlexAttention on CUDA, a dense mask on "
-                         "CPU)", choices=(0, 1))
+    doc_mask: int | Literal["auto"] = flag(
+        "auto", "packed data: 1 attends within each document only (FlexAttention on A100/H100/B200, a dense mask "
+        "elsewhere), 0 across the whole window; auto: 1 with Muon, 0 for AdamW on everything (docs/time-to-quality.md)",
+        type=auto_or(int), choices=("auto", 0, 1))
     val_data_path: str | None = flag(None, "held-out .jsonl or .bin", type=str)
     val_fraction: float = flag(0.01, "hold-out share of the training data (its tail) when no --val_data_path",
                                check=share("the held-out share", one=False))

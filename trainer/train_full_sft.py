@@ -31,8 +31,8 @@ SFT_DEFAULTS = {
     "learning_rate": 3e-4, "muon_lr": 2e-3,
     # The schedule and plain Muon that the lr sweep of docs/sft.md measured (MiniMind's cosine); the
     # pre-training defaults were chosen on pre-training.
-    "lr_schedule": "cosine", "normuon": 0,
-    "doc_mask": 1,  # packed windows hold several conversations: each attends to itself only
+    "lr_schedule": "cosine", "normuon": 0, "weight_decay": 0.01,
+    "doc_mask": 1,  # packed windows hold several conversations: each attends to itself only, whatever the optimizer
 }
 
 SFT_HELP = {
@@ -40,7 +40,8 @@ SFT_HELP = {
                  "that scripts/prepare_data.py --sft makes of one (packed)",
     "val_data_path": "held-out conversations (.jsonl or .bin)",
     "learning_rate": "AdamW's peak lr (MiniMind's SFT: 1e-5, for AdamW on everything)",
-    "doc_mask": "packed data: each conversation attends to itself only (FlexAttention on CUDA, a dense mask on CPU)",
+    "doc_mask": "packed data: each conversation attends to itself only (FlexAttention on A100/H100/B200, a dense "
+                "mask elsewhere)",
     "eval_task": "a multiple-choice task (.jsonl, as dataset/tasks/ holds), its questions asked as chat turns, "
                  "scored with validation",
 }

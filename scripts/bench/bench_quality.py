@@ -78,7 +78,7 @@ DEFAULT_TASK = REPO_ROOT / "dataset" / "tasks" / "minimind_heldout.jsonl"  # cut
 # --val_data_path, which wins over it (trainer/data.py): it is kept for the line to be exact.
 MINIMIND_RECIPE = ["--optimizer", "adamw", "--param_groups", "single", "--learning_rate", "5e-4", "--warmup_steps",
                    "0", "--lr_schedule", "cosine", "--adam_betas", "0.9,0.999", "--val_fraction", "0",
-                   "--dtype", "float32", "--zero_init_outputs", "0"]
+                   "--dtype", "float32", "--zero_init_outputs", "0", "--weight_decay", "0.01"]
 
 VARIANTS = {
     "a_minimind": ("jsonl", MINIMIND_RECIPE),  # on padded JSONL, as MiniMind trains

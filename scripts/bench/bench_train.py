@@ -48,15 +48,15 @@ def throughput_args(p):
 
     Each variant is a real train_pretrain.py run on the same model and corpus:
       a  padded JSONL (MiniMind's PretrainDataset)
-      b  packed .bin (PackedPretrainDataset)
+      b  packed .bin (PackedPretrainDataset; with Muon the document mask, the default)
       c  packed + --use_compile 1
       d  packed, torchrun with N processes (DDP; N = 2 on CPU, min(2, GPUs) on CUDA)
       e  packed, with glibc malloc tuned (MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_)
-      f  packed + --doc_mask 1 (attention kept inside documents: dense mask on CPU, FlexAttention on CUDA)
+      f  packed + --doc_mask 0 (attention across the whole window: beside b, what the document mask costs)
       g  packed, torchrun with N processes and --parallel fsdp
       h  packed, torchrun with N processes + --use_compile 1 (compiled around DDP)
       i  packed + --use_compile 1 --optimizer adamw (beside c: what Muon costs)
-      j  packed + --use_compile 1 --doc_mask 1 (beside c: what the document mask costs)
+      j  packed + --use_compile 1 --doc_mask 0 (beside c: what the document mask costs)
       k  packed + --optimizer adamw (beside m: what Muon costs)
       m  packed + --optimizer muon (b's optimizer wherever --optimizer auto takes Muon)
       n  packed + --optimizer muon --normuon 0 (beside m: what NorMuon costs)
@@ -94,11 +94,11 @@ VARIANTS = {
     "c": ("packed + compile", 1, DEMO_BIN, ["--use_compile", "1"], {}),
     "d": ("packed, torchrun xN", "N", DEMO_BIN, [], {}),
     "e": ("packed + malloc env", 1, DEMO_BIN, [], MALLOC_TUNING),
-    "f": ("packed + doc_mask", 1, DEMO_BIN, ["--doc_mask", "1"], {}),
+    "f": ("packed, no doc_mask", 1, DEMO_BIN, ["--doc_mask", "0"], {}),
     "g": ("packed, FSDP torchrun xN", "N", DEMO_BIN, ["--parallel", "fsdp"], {}),
     "h": ("packed, torchrun xN + compile", "N", DEMO_BIN, ["--use_compile", "1"], {}),
     "i": ("packed + compile, AdamW", 1, DEMO_BIN, ["--use_compile", "1", "--optimizer", "adamw"], {}),
-    "j": ("packed + compile + doc_mask", 1, DEMO_BIN, ["--use_compile", "1", "--doc_mask", "1"], {}),
+    "j": ("packed + compile, no doc_mask", 1, DEMO_BIN, ["--use_compile", "1", "--doc_mask", "0"], {}),
     "k": ("packed, AdamW", 1, DEMO_BIN, ["--optimizer", "adamw"], {}),
     "m": ("packed, Muon", 1, DEMO_BIN, ["--optimizer", "muon"], {}),
     "n": ("packed, Muon without NorMuon", 1, DEMO_BIN, ["--optimizer", "muon", "--normuon", "0"], {}),
