@@ -113,7 +113,8 @@ def test_weight_decay_and_the_document_mask_follow_the_optimizer():
                            tokens)
         return cfg.optim.optimizer, cfg.optim.weight_decay, cfg.data.doc_mask
 
-    small, wide = MiniMindConfig(hidden_size=256, num_hidden_layers=2), MiniMindConfig(hidden_size=768, num_hidden_layers=2)
+    small = MiniMindConfig(hidden_size=256, num_hidden_layers=2)
+    wide = MiniMindConfig(hidden_size=768, num_hidden_layers=2)
     assert resolved(small, 8 * 340) == ("muon", 0.3, 1)
     assert resolved(small, 8 * 340, {"optimizer": "typed"}, optimizer="adamw") == ("adamw", 0.01, 0)
     assert resolved(wide, 64) == ("adamw", 0.01, 0)  # auto took AdamW: Newton-Schulz would cost too much

@@ -12,10 +12,11 @@ nowhere else. A stage changes defaults through one table (train_full_sft.py's SF
     chat     fine-tuning's conversation flags (train_full_sft.py only)  the run's
 
 Eight flags may be `auto` (--dtype, --optimizer, --lr_schedule, --normuon, --muon_lr,
---learning_rate, --weight_decay, --doc_mask). They are decided once at start-up (trainer/auto.py's resolve_auto, which marks
-the config `resolved`), each logged with its reason, and the resolved config is stored whole in
-every checkpoint's record (trainer/checkpoint.py). The checks (check_config) run on that final
-config: the one a resume merged and auto resolved, the one the run trains with.
+--learning_rate, --weight_decay, --doc_mask). They are decided once at start-up (trainer/auto.py's
+resolve_auto, which marks the config `resolved`), each logged with its reason, and the resolved
+config is stored whole in every checkpoint's record (trainer/checkpoint.py). The checks
+(check_config) run on that final config: the one a resume merged and auto resolved, the one the
+run trains with.
 
 A resume follows one rule (resume_config): the run's groups come from the checkpoint's stored
 config, and a flag typed on this command line changes them, except that a typed value the
