@@ -1,5 +1,5 @@
 """Training under bf16 autocast on a CPU, end to end in the trainer: what --dtype auto picks
-where the CPU has amx_bf16 or avx512_bf16 (tests/test_config.py tests that choice). Every
+where the CPU has amx_bf16 or avx512_bf16 (tests/test_auto.py tests that choice). Every
 other trainer test pins --dtype float32 (tests/support/tiny.py's TINY says why), so these
 runs are the suite's bf16 training. A CPU without native bf16 runs them too, emulating bf16
 (slower).

@@ -1,6 +1,6 @@
 """trainer/optim.py and trainer/schedule.py: parameter groups, the per-group schedule (the table
 of schedules by name) and the optim group's flags. (Muon itself is tests/test_muon.py's,
---optimizer auto tests/test_config.py's, bits per byte tests/test_bits_per_byte.py's.)"""
+--optimizer auto tests/test_auto.py's, bits per byte tests/test_bits_per_byte.py's.)"""
 import math
 
 import pytest

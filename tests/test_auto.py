@@ -1,0 +1,184 @@
+"""trainer/auto.py: what the auto flags become. --dtype auto and --optimizer auto on each kind of
+machine (the hardware facts passed in), a new run's schedule, NorMuon, lrs, weight decay and
+document mask for its optimizer, and a typed or stored value kept."""
+import pytest
+import torch
+
+from trainer import auto, device
+from trainer.auto import (ADAMW_LR_BESIDE_MUON, ADAMW_LR_BY_WIDTH, fresh_recipe, resolve_auto, resolve_dtype,
+                          resolve_optimizer)
+from trainer.config import TrainConfig, parse_config
+from trainer.metrics import muon_flop_share
+
+AMX_XEON = frozenset({"fpu", "avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
+AVX512_BF16_ONLY = frozenset({"avx2", "avx512f", "avx512_bf16"})
+EPYC_NO_BF16 = frozenset({"fpu", "avx2", "avx512f", "avx512bw"})
+
+
+# ---------------------------------------------------------------------------- a new run's recipe
+def test_auto_for_a_new_run_and_for_a_resume():
+    from model.model_minimind import MiniMindConfig
+
+    model = MiniMindConfig(hidden_size=256, num_hidden_layers=2)
+    cfg = resolve_auto(TrainConfig.of(dtype="float32"), {}, torch.device("cpu"), False, model, 8 * 340)
+    assert (cfg.optim.optimizer, cfg.optim.lr_schedule, cfg.optim.normuon, cfg.optim.muon_lr) == ("muon", "wsd", 1, 0.01)
+    assert cfg.optim.learning_rate == ADAMW_LR_BESIDE_MUON == 3e-3  # AdamW on the embedding and norms only
+    adamw = resolve_auto(TrainConfig.of(dtype="float32", optimizer="adamw"), {"optimizer": "typed"},
+                         torch.device("cpu"), False, model, 8 * 340)
+    assert adamw.optim.normuon == 0  # NorMuon is Muon's
+    assert adamw.optim.learning_rate == dict(ADAMW_LR_BY_WIDTH)[256]  # AdamW on everything: by width
+    wide = MiniMindConfig(hidden_size=768, num_hidden_layers=2)  # auto takes AdamW where Newton-Schulz costs too much
+    tiny_batch = resolve_auto(TrainConfig.of(dtype="float32"), {}, torch.device("cpu"), False, wide, 64)
+    assert (tiny_batch.optim.optimizer, tiny_batch.optim.learning_rate) == ("adamw", dict(ADAMW_LR_BY_WIDTH)[768])
+    typed = resolve_auto(TrainConfig.of(dtype="float32", optimizer="adamw", learning_rate=1e-3),
+                         {"learning_rate": "typed"}, torch.device("cpu"), False, model, 8 * 340)
+    assert typed.optim.learning_rate == 1e-3
+    kept = resolve_auto(TrainConfig.of(dtype="float32", optimizer="adamw", lr_schedule="cosine", muon_lr=0.03),
+                        {"lr_schedule": "stored"}, torch.device("cpu"), False, model, 8 * 340)
+    assert (kept.optim.lr_schedule, kept.optim.muon_lr) == ("cosine", 0.03)
+
+
+def test_weight_decay_and_the_document_mask_follow_the_optimizer():
+    """auto: weight decay 0.3 and attention within documents with Muon, torch's 0.01 and attention
+    across the window for AdamW on everything, whichever way the optimizer was chosen; a typed or
+    stored value stays."""
+    from model.model_minimind import MiniMindConfig
+
+    def resolved(model, tokens, origin=None, **flags):
+        cfg = resolve_auto(TrainConfig.of(dtype="float32", **flags), origin or {}, torch.device("cpu"), False, model,
+                           tokens)
+        return cfg.optim.optimizer, cfg.optim.weight_decay, cfg.data.doc_mask
+
+    small = MiniMindConfig(hidden_size=256, num_hidden_layers=2)
+    wide = MiniMindConfig(hidden_size=768, num_hidden_layers=2)
+    assert resolved(small, 8 * 340) == ("muon", 0.3, 1)
+    assert resolved(small, 8 * 340, {"optimizer": "typed"}, optimizer="adamw") == ("adamw", 0.01, 0)
+    assert resolved(wide, 64) == ("adamw", 0.01, 0)  # auto took AdamW: Newton-Schulz would cost too much
+    assert resolved(small, 8 * 340, {"weight_decay": "typed", "doc_mask": "stored"}, weight_decay=0.05,
+                    doc_mask=0) == ("muon", 0.05, 0)
+
+
+@pytest.mark.parametrize("hidden_size, muon_lr", [(64, 0.01), (256, 0.01), (384, 0.015), (512, 0.02), (640, 0.02),
+                                                   (768, 0.02), (1024, 0.02)])
+def test_a_new_runs_muon_lr_follows_the_width_it_was_measured_at(hidden_size, muon_lr):
+    """The measured points, 0.01 at 256 and 0.02 at 512 and 768 (docs/time-to-quality.md); a
+    straight line between (384: half way from 0.01 to 0.02); the nearest point's beyond them."""
+    assert fresh_recipe(hidden_size, "muon")["muon_lr"] == muon_lr
+
+
+@pytest.mark.parametrize("hidden_size, adamw_lr", [(64, 1.5e-3), (256, 1.5e-3), (384, 9.375e-4), (512, 3.75e-4),
+                                                    (640, 2.8125e-4), (768, 1.875e-4), (1024, 1.875e-4)])
+def test_a_new_runs_adamw_lr_follows_the_width_it_was_measured_at_when_it_trains_everything(hidden_size, adamw_lr):
+    """AdamW on everything: 1.5e-3 at 256, 3.75e-4 at 512 and 1.875e-4 at 768 (docs/time-to-quality.md),
+    a straight line between (384: 1.5e-3 + (3.75e-4 - 1.5e-3) / 2), the nearest beyond. Beside Muon,
+    on the embedding and norms, 3e-3 at every width."""
+    assert fresh_recipe(hidden_size, "adamw")["learning_rate"] == adamw_lr
+    assert fresh_recipe(hidden_size, "muon")["learning_rate"] == 3e-3
+
+
+# ---------------------------------------------------------------------------- auto on each machine
+@pytest.mark.parametrize("flag, device_type, cpu_flags, cuda_bf16, sharded, expected", [
+    ("auto", "cpu", AMX_XEON, False, False, "bfloat16"),
+    ("auto", "cpu", AVX512_BF16_ONLY, False, False, "bfloat16"),
+    ("auto", "cpu", EPYC_NO_BF16, False, False, "float32"),
+    ("auto", "cpu", frozenset(), False, False, "float32"),
+    ("auto", "cuda", frozenset(), True, False, "bfloat16"),
+    ("auto", "cuda", frozenset(), False, False, "float16"),
+    ("auto", "cuda", frozenset(), False, True, "float32"),  # FSDP: no sharded GradScaler
+    ("float32", "cuda", frozenset(), True, False, "float32"),
+    ("bfloat16", "cpu", EPYC_NO_BF16, False, False, "bfloat16"),
+])
+def test_resolve_dtype(flag, device_type, cpu_flags, cuda_bf16, sharded, expected):
+    name, why = resolve_dtype(flag, device_type, cpu_flags, cuda_bf16, sharded)
+    assert name == expected
+    assert why
+
+
+@pytest.mark.parametrize("device_type, dtype, cpu_flags, groups, expected", [
+    ("cuda", "bfloat16", frozenset(), "split", "muon"),
+    ("cuda", "float32", frozenset(), "split", "muon"),    # fp32 Newton-Schulz (TF32 on CUDA)
+    ("cuda", "float16", frozenset(), "split", "adamw"),   # a T4: no bf16, fp32 Newton-Schulz is slow there
+    ("cpu", "bfloat16", AMX_XEON, "split", "muon"),
+    ("cpu", "bfloat16", AVX512_BF16_ONLY, "split", "muon"),
+    ("cpu", "float32", EPYC_NO_BF16, "split", "muon"),      # fp32 Newton-Schulz: fast on any CPU
+    ("cpu", "bfloat16", EPYC_NO_BF16, "split", "adamw"),    # --dtype bfloat16 where it is emulated
+    ("cuda", "bfloat16", frozenset(), "single", "adamw"),  # MiniMind's one AdamW group
+])
+def test_resolve_optimizer(device_type, dtype, cpu_flags, groups, expected):
+    name, why = resolve_optimizer(device_type, dtype, cpu_flags, groups)
+    assert name == expected
+    assert why.startswith("auto: ")
+
+
+@pytest.mark.parametrize("share, expected", [(0.0, "muon"), (0.5966, "muon"), (0.6, "muon"), (0.61, "adamw"),
+                                             (0.9539, "adamw"), (1.35, "adamw")])
+def test_auto_takes_adamw_where_newton_schulz_would_add_more_than_the_bound(share, expected):
+    for device_type, dtype, cpu_flags in [("cpu", "float32", EPYC_NO_BF16), ("cpu", "bfloat16", AMX_XEON),
+                                          ("cuda", "bfloat16", frozenset())]:
+        name, why = resolve_optimizer(device_type, dtype, cpu_flags, muon_share=share)
+        assert name == expected, (device_type, dtype)
+        assert f"{share:.0%}" in why and "60%" in why
+
+
+def test_the_muon_share_is_the_ratio_of_counted_flops():
+    """muon_flop_share against torch's FlopCounterMode: one Muon step's FLOPs over one forward
+    and backward of the same model on the same tokens (a tiny model, 8 x 64 tokens)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+    from trainer.optim import Muon
+    from trainer.optim import is_block_matrix
+
+    config = MiniMindConfig(hidden_size=64, num_hidden_layers=2)
+    model = MiniMindForCausalLM(config)
+    tokens = torch.randint(3, 6400, (8, 64))
+    with FlopCounterMode(display=False) as step:
+        model(tokens, labels=tokens).loss.backward()
+    matrices = [p for n, p in model.named_parameters() if is_block_matrix(n, p)]
+    with FlopCounterMode(display=False) as muon:
+        Muon(matrices).step()
+    counted = muon.get_total_flops() / step.get_total_flops()
+    estimated = muon_flop_share(config, tokens.numel(), 64)
+    assert estimated == pytest.approx(counted, rel=0.1), (estimated, counted)
+    # Measured on CPU (docs/performance.md, docs/time-to-quality.md): at 2,720 tokens a step 256 x 4
+    # (22%) and 512 x 8 (60%) are Muon's, where it arrived sooner in seconds; 768 x 8 (95%) is AdamW's,
+    # which arrived sooner there; a 16-layer 1024 is past the bound; the 64M model at a GPU batch of
+    # 32 x 1024 is Muon's.
+    assert muon_flop_share(MiniMindConfig(hidden_size=256, num_hidden_layers=4), 2720, 340) < 0.25
+    assert 0.5 < muon_flop_share(MiniMindConfig(hidden_size=512, num_hidden_layers=8), 2720, 340) < 0.75
+    assert 0.9 < muon_flop_share(MiniMindConfig(hidden_size=768, num_hidden_layers=8), 2720, 340) < 1.0
+    assert muon_flop_share(MiniMindConfig(hidden_size=1024, num_hidden_layers=16), 2720, 340) > 1.0
+    assert muon_flop_share(MiniMindConfig(hidden_size=768, num_hidden_layers=8), 32768, 1024) < 0.1
+
+
+def test_the_default_run_picks_muon_on_every_cpu():
+    """Whatever the CPU, the trainer's defaults (MiniMind's 768 x 8 model, batch 32 x 340 tokens;
+    one process) with --dtype auto and --optimizer auto give Muon."""
+    from trainer.trainer_utils import model_config
+
+    cfg = parse_config([])[0]
+    assert (cfg.model.hidden_size, cfg.model.num_hidden_layers) == (768, 8)
+    tokens = cfg.optim.batch_size * cfg.optim.accumulation_steps * cfg.model.max_seq_len
+    share = muon_flop_share(model_config(cfg), tokens, cfg.model.max_seq_len)
+    for cpu_flags in (AMX_XEON, AVX512_BF16_ONLY, EPYC_NO_BF16, frozenset()):
+        dtype, _ = resolve_dtype("auto", "cpu", cpu_flags)
+        assert resolve_optimizer("cpu", dtype, cpu_flags, muon_share=share)[0] == "muon", (cpu_flags, share)
+
+
+def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: Xeon\nflags\t\t: fpu avx512f amx_bf16 amx_tile\n\n")
+    flags = device.read_cpu_flags(str(cpuinfo))
+    assert {"amx_bf16", "avx512f"} <= flags
+    assert resolve_dtype("auto", "cpu", flags)[0] == "bfloat16"
+    assert device.read_cpu_flags(str(tmp_path / "missing")) == frozenset()
+
+
+@pytest.mark.parametrize("capability, bf16_native, expected", [
+    ((9, 0), True, True), ((8, 0), True, True), ((7, 5), False, False), ((7, 0), True, False),
+])
+def test_cuda_bf16_detection(monkeypatch, capability, bf16_native, expected):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: bf16_native)
+    assert device.cuda_has_native_bf16(torch.device("cuda", 0)) is expected
+    assert auto.detect_dtype("auto", torch.device("cuda", 0))[0] == ("bfloat16" if expected else "float16")
