@@ -251,7 +251,7 @@ def export_gguf(args, model, source, tokenizer_path):
     gguf_type = args.gguf_type or "f16"
     arch = write_gguf(model, out_path, tokenizer_path, gguf_type)
     print(f"wrote {out_path} from {source} as GGUF {gguf_type}, llama.cpp architecture {arch}")
-    print(f"verified: read back with gguf.GGUFReader, every tensor's name, shape, type and bytes as written")
+    print("verified: read back with gguf.GGUFReader, every tensor's name, shape, type and bytes as written")
 
 
 @report_user_errors

@@ -20,7 +20,6 @@ A micro-batches therefore covers exactly the global positions [k*G, (k+1)*G) wit
 G = b*W*A, whatever W is. That makes resuming on another world size a matter of
 skipping k*G positions, and with a fixed G the sample order is topology-invariant.
 """
-import os
 import random
 from dataclasses import dataclass
 from typing import ClassVar
