@@ -6,7 +6,7 @@ import torch
 
 from trainer import auto, device
 from trainer.auto import (ADAMW_LR_BESIDE_MUON, ADAMW_LR_BY_WIDTH, fresh_recipe, resolve_auto, resolve_dtype,
-                          resolve_optimizer)
+                          resolve_ns_steps, resolve_optimizer)
 from trainer.config import TrainConfig, parse_config
 from trainer.metrics import muon_flop_share
 
@@ -141,13 +141,14 @@ def test_the_muon_share_is_the_ratio_of_counted_flops():
     estimated = muon_flop_share(config, tokens.numel(), 64)
     assert estimated == pytest.approx(counted, rel=0.1), (estimated, counted)
     # Measured on CPU (docs/performance.md, docs/time-to-quality.md): at 2,720 tokens a step 256 x 4
-    # (22%) and 512 x 8 (60%) are Muon's, where it arrived sooner in seconds; 768 x 8 (95%) is AdamW's,
-    # which arrived sooner there; a 16-layer 1024 is past the bound; the 64M model at a GPU batch of
-    # 32 x 1024 is Muon's.
+    # (22%) and 512 x 8 (60%) are Muon's with 5 steps, where it arrived sooner in seconds; 768 x 8 (95%)
+    # was AdamW's at 5 steps and is Muon's at 3 (57%); a 16-layer 1024 is past the bound even at 3; the
+    # 64M model at a GPU batch of 32 x 1024 is Muon's.
     assert muon_flop_share(MiniMindConfig(hidden_size=256, num_hidden_layers=4), 2720, 340) < 0.25
     assert 0.5 < muon_flop_share(MiniMindConfig(hidden_size=512, num_hidden_layers=8), 2720, 340) < 0.75
     assert 0.9 < muon_flop_share(MiniMindConfig(hidden_size=768, num_hidden_layers=8), 2720, 340) < 1.0
-    assert muon_flop_share(MiniMindConfig(hidden_size=1024, num_hidden_layers=16), 2720, 340) > 1.0
+    assert 0.5 < muon_flop_share(MiniMindConfig(hidden_size=768, num_hidden_layers=8), 2720, 340, 3) < 0.6
+    assert muon_flop_share(MiniMindConfig(hidden_size=1024, num_hidden_layers=16), 2720, 340, 3) > 0.6
     assert muon_flop_share(MiniMindConfig(hidden_size=768, num_hidden_layers=8), 32768, 1024) < 0.1
 
 
@@ -163,6 +164,31 @@ def test_the_default_run_picks_muon_on_every_cpu():
     for cpu_flags in (AMX_XEON, AVX512_BF16_ONLY, EPYC_NO_BF16, frozenset()):
         dtype, _ = resolve_dtype("auto", "cpu", cpu_flags)
         assert resolve_optimizer("cpu", dtype, cpu_flags, muon_share=share)[0] == "muon", (cpu_flags, share)
+
+
+def test_muon_takes_three_newton_schulz_steps_where_five_would_cost_more_than_the_bound():
+    """auto: torch.optim.Muon's 5 steps where they add at most 60% to a step's FLOPs, else 3; and
+    --optimizer auto weighs the steps it will run. A typed or stored value stays."""
+    from model.model_minimind import MiniMindConfig
+
+    assert resolve_ns_steps("auto", lambda steps: 0.12 * steps)[0] == 5   # 60%: within the bound
+    steps, why = resolve_ns_steps("auto", lambda steps: 0.19 * steps)    # 95% at 5, 57% at 3
+    assert steps == 3 and "95%" in why and "57%" in why
+    assert resolve_ns_steps(4, lambda steps: 1.0) == (4, "--muon_ns_steps")
+
+    def resolved(model, tokens, origin=None, **flags):
+        cfg = resolve_auto(TrainConfig.of(dtype="float32", **flags), origin or {}, torch.device("cpu"), False, model,
+                           tokens)
+        return cfg.optim.optimizer, cfg.optim.muon_ns_steps
+
+    small, default = MiniMindConfig(hidden_size=256, num_hidden_layers=4), MiniMindConfig()
+    assert resolved(small, 8 * 340) == ("muon", 5)             # 22%
+    assert resolved(default, 32 * 340) == ("muon", 5)          # 768 x 8 at the default batch: 24%
+    assert resolved(default, 8 * 340) == ("muon", 3)           # 95% at 5 steps, 57% at 3
+    assert resolved(default, 8 * 340, {"muon_ns_steps": "typed"}, muon_ns_steps=5) == ("adamw", 5)
+    assert resolved(default, 64) == ("adamw", 3)              # over the bound even at 3 steps
+    assert resolved(default, 8 * 340, {"muon_ns_steps": "stored"}, muon_ns_steps=5,
+                    optimizer="muon") == ("muon", 5)
 
 
 def test_cpu_flags_are_read_from_cpuinfo(tmp_path):

@@ -65,10 +65,13 @@ def test_the_resume_rule_stored_values_typed_flags_and_fixed_ones():
 def test_a_record_of_an_earlier_version_names_its_optimizer_and_schedule():
     record = {"global_step": 4, "optimizer": "muon", "lr_schedule": "cosine", "normuon": 0, "muon_lr": 0.02}
     assert legacy_record(record) == {"optim": {"optimizer": "muon", "lr_schedule": "cosine", "normuon": 0,
-                                               "muon_lr": 0.02}}
+                                               "muon_lr": 0.02, "muon_ns_steps": 5}}
     assert legacy_record({"global_step": 4}) == {}
     whole = TrainConfig().record()
     assert legacy_record({"config": whole}) is whole
+    # A whole config stored before --muon_ns_steps existed: its run took torch.optim.Muon's 5 steps.
+    before = {**whole, "optim": {k: v for k, v in whole["optim"].items() if k != "muon_ns_steps"}}
+    assert legacy_record({"config": before})["optim"] == {**whole["optim"], "muon_ns_steps": 5}
 
 
 # ---------------------------------------------------------------------------- the resolved config in a run

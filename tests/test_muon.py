@@ -55,6 +55,22 @@ def test_fp32_newton_schulz_is_the_fp64_one_to_float_noise_and_bf16_is_not():
     assert fp32_error < 1e-5 < 1e-3 < bf16_error
 
 
+def test_each_newton_schulz_step_applies_the_quintic_to_each_singular_value():
+    """Worked by hand on diag(0.6, 0.8), whose Frobenius norm is 1, so the scaling leaves it: one
+    step maps s to 3.4445 s - 4.7750 s^3 + 2.0315 s^5, 0.6 to 2.06670 - 1.03140 + 0.15797 = 1.19327
+    and 0.8 to 2.75560 - 2.44480 + 0.66568 = 0.97648; --muon_ns_steps 3 applies it three times."""
+    x = torch.diag(torch.tensor([0.6, 0.8], dtype=torch.float64)).unsqueeze(0)
+    one = newton_schulz(x, steps=1)[0]
+    assert torch.allclose(one, torch.diag(torch.tensor([1.19327, 0.97648], dtype=torch.float64)), atol=1e-5)
+
+    def quintic(s):
+        return 3.4445 * s - 4.7750 * s ** 3 + 2.0315 * s ** 5
+
+    three = newton_schulz(x, steps=3)[0]
+    expected = [quintic(quintic(quintic(s))) for s in (0.6, 0.8)]
+    assert torch.allclose(three, torch.diag(torch.tensor(expected, dtype=torch.float64)), atol=1e-12)
+
+
 def test_newton_schulz_orthogonalises():
     """The quintic iteration leaves every singular value in about [0.5, 1.5]."""
     singular = torch.linalg.svdvals(newton_schulz(torch.stack(matrices((64, 256), (64, 256)))))
@@ -322,7 +338,8 @@ def test_a_checkpoint_written_with_torch_optim_muon_resumes(tmp_path):
 
     # Load it as the trainer's resume does (ModelState), into a fresh model and our Muon.
     fresh = MiniMindForCausalLM(config)
-    resolved = TrainConfig.of(optimizer="muon", muon_lr=0.02, normuon=0, learning_rate=3e-3, weight_decay=0.01)
+    resolved = TrainConfig.of(optimizer="muon", muon_lr=0.02, normuon=0, learning_rate=3e-3, weight_decay=0.01,
+                              muon_ns_steps=5)
     new = build_optimizer(fresh, resolved.optim)
     ModelState(fresh, new).load_state_dict(lm_checkpoint(str(run / "ckpt"), "pretrain_64", fresh))
     ours = next(opt for opt in new if isinstance(opt, Muon))

@@ -18,9 +18,9 @@ def tiny_model(**kw):
 
 def optim(**values):
     """The config's optim group with every auto decided: AdamW at 3e-3 with weight decay 0.01, the cosine,
-    Muon at 0.02 without NorMuon."""
+    Muon at 0.02 with 5 Newton-Schulz steps, without NorMuon."""
     resolved = {"optimizer": "adamw", "lr_schedule": "cosine", "normuon": 0, "muon_lr": 0.02, "learning_rate": 3e-3,
-                "weight_decay": 0.01}
+                "weight_decay": 0.01, "muon_ns_steps": 5}
     return TrainConfig.of(**{**resolved, **values}).optim
 
 
@@ -155,7 +155,7 @@ def test_the_start_up_line_names_each_group_and_the_schedule():
     cfg = optim(optimizer="muon", normuon=1, lr_schedule="wsd")
     line = describe(build_optimizer(tiny_model(), cfg), cfg)
     assert line.startswith("optimizer: decay (AdamW, 0.03M params, lr 3.0e-03, wd 0.01); ")
-    assert "muon (Muon, " in line and "NorMuon (beta2 0.95)" in line
+    assert "muon (Muon, " in line and ", 5 Newton-Schulz steps)" in line and "NorMuon (beta2 0.95)" in line
     assert line.endswith("lr schedule wsd (10 warmup steps, cooldown over the last 20%, floor 0.1 of each peak)")
 
 

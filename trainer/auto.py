@@ -2,6 +2,7 @@
 
     --dtype        the machine's native precision (resolve_dtype)
     --optimizer    Muon where its step costs at most MUON_STEP_BOUND AdamW steps (resolve_optimizer)
+    --muon_ns_steps  torch.optim.Muon's 5 Newton-Schulz steps, or 3 where 5 cost too much (resolve_ns_steps)
     --lr_schedule, --normuon, --muon_lr, --learning_rate, --weight_decay, --doc_mask
                    a new run's recipe at its width, for its optimizer (fresh_recipe, LR tables)
 
@@ -17,8 +18,10 @@ import torch
 from trainer.device import cuda_has_native_bf16, native_bf16_cpu_flags, read_cpu_flags
 from trainer.distributed import Logger
 from trainer.metrics import muon_flop_share
+from trainer.optim import NS_STEPS
 
-AUTO_FLAGS = ("dtype", "optimizer", "lr_schedule", "normuon", "muon_lr", "learning_rate", "weight_decay", "doc_mask")
+AUTO_FLAGS = ("dtype", "optimizer", "muon_ns_steps", "lr_schedule", "normuon", "muon_lr", "learning_rate",
+              "weight_decay", "doc_mask")
 
 
 # ---------------------------------------------------------------------------- the machine's choices
@@ -50,7 +53,7 @@ def resolve_dtype(flag: str, device_type: str, cpu_flags=frozenset(), cuda_bf16:
 # (a 22% share, steps of equal cost: about 1.7x sooner), in 1/1.45 at 512 x 8 (60%, a step 1.41x
 # AdamW's: 1.08x sooner) and in 1/1.27 at 768 x 8 (95%, a step 1.68x AdamW's: AdamW 1.39x sooner,
 # beyond both seeds' ranges), ending 7-8% lower in bits per byte each time. So the bound is the largest
-# share at which Muon was measured sooner, 60%; between 60% and 95% nothing was measured.
+# share at which Muon was measured sooner, 60%; with 3 Newton-Schulz steps 768 x 8 comes to 57% (below).
 MUON_STEP_BOUND = 1.6
 
 
@@ -80,6 +83,27 @@ def resolve_optimizer(device_type: str, dtype: str, cpu_flags=frozenset(), param
     precision = "bf16" if dtype == "bfloat16" else "fp32"
     return "muon", (f"auto: Newton-Schulz in {precision}, native here, adds {muon_share:.0%} to each step's "
                     f"FLOPs, within the {allowed:.0%} it may")
+
+
+# Where torch.optim.Muon's 5 Newton-Schulz steps would cost more than the bound, 3 do. At 768 x 8 with 8 x
+# 340 tokens a step (95% at 5 steps, 57% at 3; the EPYC, bf16, 2 seeds each), Muon with 3 steps reached
+# MiniMind's final loss 1.11x sooner than AdamW on everything at its best lr (62.4 steps against 99.7)
+# and ended 0.19 bits per byte lower; with 5 it ended 0.025 lower still, arriving later (1 seed;
+# docs/performance.md). At 256 x 4 3 steps were level with 5 (3 seeds).
+FEWER_NS_STEPS = 3
+
+
+def resolve_ns_steps(flag, share_at) -> tuple[int, str]:
+    """(Newton-Schulz steps, why) for --muon_ns_steps `flag`; share_at(steps): Newton-Schulz's share
+    of the step's FLOPs at that many steps (trainer/metrics.py's muon_flop_share)."""
+    if flag != "auto":
+        return flag, "--muon_ns_steps"
+    allowed, share = MUON_STEP_BOUND - 1, share_at(NS_STEPS)
+    if share <= allowed:
+        return NS_STEPS, f"auto: torch.optim.Muon's {NS_STEPS} add {share:.0%} to each step's FLOPs, within {allowed:.0%}"
+    fewer = share_at(FEWER_NS_STEPS)
+    return FEWER_NS_STEPS, (f"auto: {NS_STEPS} steps would add {share:.0%} to each step's FLOPs, over the "
+                            f"{allowed:.0%} Muon may, {FEWER_NS_STEPS} add {fewer:.0%}")
 
 
 def detect_dtype(flag: str, device: torch.device, sharded: bool = False) -> tuple[str, str]:
@@ -145,9 +169,11 @@ def resolve_auto(cfg, origin: dict, device, sharded: bool, lm_config, tokens_per
     reasons = {name: why[origin.get(name, "default")].format(name) for name in AUTO_FLAGS}
     values = {}
     values["dtype"], reasons["dtype"] = detect_dtype(cfg.system.dtype, device, sharded)
+    share_at = lambda steps: muon_flop_share(lm_config, tokens_per_step, cfg.model.max_seq_len, steps)  # noqa: E731
+    values["muon_ns_steps"], reasons["muon_ns_steps"] = resolve_ns_steps(cfg.optim.muon_ns_steps, share_at)
     optimizer = cfg.optim.optimizer
     if optimizer == "auto":
-        share = muon_flop_share(lm_config, tokens_per_step, cfg.model.max_seq_len)
+        share = share_at(values["muon_ns_steps"])
         optimizer, reasons["optimizer"] = detect_optimizer(device, values["dtype"], cfg.optim.param_groups, share)
     values["optimizer"] = optimizer
     fresh = fresh_recipe(lm_config.hidden_size, optimizer)

@@ -11,10 +11,10 @@ nowhere else. A stage changes defaults through one table (train_full_sft.py's SF
     system   device, precision, parallelism, profiling                  this launch's
     chat     fine-tuning's conversation flags (train_full_sft.py only)  the run's
 
-Eight flags may be `auto` (--dtype, --optimizer, --lr_schedule, --normuon, --muon_lr,
---learning_rate, --weight_decay, --doc_mask). They are decided once at start-up (trainer/auto.py's
-resolve_auto, which marks the config `resolved`), each logged with its reason, and the resolved
-config is stored whole in every checkpoint's record (trainer/checkpoint.py). The checks
+Nine flags may be `auto` (--dtype, --optimizer, --muon_ns_steps, --lr_schedule, --normuon,
+--muon_lr, --learning_rate, --weight_decay, --doc_mask). They are decided once at start-up
+(trainer/auto.py's resolve_auto, which marks the config `resolved`), each logged with its reason,
+and the resolved config is stored whole in every checkpoint's record (trainer/checkpoint.py). The checks
 (check_config) run on that final config: the one a resume merged and auto resolved, the one the
 run trains with.
 
@@ -37,7 +37,9 @@ from common.errors import UserError
 from dataset.demo_corpus import DEMO_CORPUS
 from model.model_minimind import SHAPE_FIELDS
 from model.shape_flags import flag_default
-from trainer.auto import ADAMW_LR_BESIDE_MUON, ADAMW_LR_BY_WIDTH, MUON_LR_BY_WIDTH, MUON_STEP_BOUND, WEIGHT_DECAY
+from trainer.auto import (ADAMW_LR_BESIDE_MUON, ADAMW_LR_BY_WIDTH, FEWER_NS_STEPS, MUON_LR_BY_WIDTH, MUON_STEP_BOUND,
+                          WEIGHT_DECAY)
+from trainer.optim import NS_STEPS
 from trainer.schedule import SCHEDULES
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -104,8 +106,8 @@ class OptimConfig:
                               check=share("the lr floor as a share of each peak, e.g. 0.1"))
     optimizer: str = flag("auto", "muon: Muon on the blocks' 2-D weights, AdamW on the embedding (= tied head) and "
                           "norms; adamw: AdamW on everything; auto: muon where its Newton-Schulz runs in a native "
-                          f"precision and adds at most {MUON_STEP_BOUND - 1:.0%}% to a step's FLOPs "
-                          "(docs/performance.md), else adamw",
+                          f"precision and, at --muon_ns_steps, adds at most {MUON_STEP_BOUND - 1:.0%}% to a step's "
+                          "FLOPs (docs/performance.md), else adamw",
                           choices=("auto", "adamw", "muon"))
     muon_lr: float | Literal["auto"] = flag(
         "auto", f"Muon's peak lr; auto: by width, the lr measured best at {by_width(MUON_LR_BY_WIDTH)}",
@@ -114,6 +116,11 @@ class OptimConfig:
     normuon: int | Literal["auto"] = flag("auto", "1: NorMuon, each row of Muon's update divided by the root of its running mean "
                         "square, then rescaled to the update's norm; auto: 1 with Muon", type=auto_or(int),
                         choices=("auto", 0, 1))
+    muon_ns_steps: int | Literal["auto"] = flag(
+        "auto", f"Newton-Schulz iterations in each Muon step; auto: {NS_STEPS} (torch.optim.Muon's), or "
+        f"{FEWER_NS_STEPS} where {NS_STEPS} would add more than {MUON_STEP_BOUND - 1:.0%}% to a step's FLOPs "
+        "(docs/performance.md)",
+        type=auto_or(int), check=number_from(1, "Newton-Schulz iterations per Muon step, e.g. 5"))
     param_groups: str = flag("split", "split: no weight decay on norms and other 1-D params; single: MiniMind's "
                              "one AdamW group", choices=("split", "single"))
     grad_clip: float = flag(1.0, "clip the global gradient norm (0 or less: off)",
@@ -371,11 +378,17 @@ def resume_config(cfg: TrainConfig, typed: frozenset, stored: dict, source: str 
 
 def legacy_record(record: dict) -> dict:
     """The stored config of a checkpoint record: a whole config, or what an earlier version's
-    record named of the run (its optimizer, schedule, NorMuon and Muon lr)."""
+    record named of the run (its optimizer, schedule, NorMuon and Muon lr). A record written
+    before --muon_ns_steps trained with torch.optim.Muon's 5 Newton-Schulz steps."""
     if isinstance(record.get("config"), dict):
-        return record["config"]
-    recorded = {k: record[k] for k in ("optimizer", "lr_schedule", "normuon", "muon_lr") if k in record}
-    return {"optim": recorded} if recorded else {}
+        stored = record["config"]
+    else:
+        recorded = {k: record[k] for k in ("optimizer", "lr_schedule", "normuon", "muon_lr") if k in record}
+        stored = {"optim": recorded} if recorded else {}
+    optim = stored.get("optim")
+    if optim and "muon_ns_steps" not in optim:
+        stored = {**stored, "optim": {**optim, "muon_ns_steps": NS_STEPS}}
+    return stored
 
 
 # ---------------------------------------------------------------------------- where a run's files go

@@ -28,7 +28,7 @@ from common.errors import StorageError
 from common.storage import append_text, atomic_write_text
 from model.model_minimind import MiniMindForCausalLM, count_parameters
 from trainer.distributed import Logger, peer_lost
-from trainer.optim import is_block_matrix, newton_schulz_flops
+from trainer.optim import NS_STEPS, is_block_matrix, newton_schulz_flops
 
 # Dense (not 2:4 sparse) bf16 tensor-core peaks in TFLOP/s, matched against
 # torch.cuda.get_device_name(). The first pattern that matches wins, so a form factor
@@ -61,15 +61,15 @@ def flops_per_token(config, active_params: int, seq_len: int) -> float:
     return 6 * active_params + attention
 
 
-def muon_flop_share(config, tokens_per_step: int, seq_len: int) -> float:
-    """Newton-Schulz FLOPs of one Muon step over the forward and backward FLOPs of the optimizer
+def muon_flop_share(config, tokens_per_step: int, seq_len: int, ns_steps: int = NS_STEPS) -> float:
+    """Newton-Schulz FLOPs of one Muon step (`ns_steps` iterations) over the forward and backward FLOPs of the optimizer
     step (tokens_per_step tokens in all ranks' micro-batches); per rank too, up to rounding, as
     both are split across the ranks. The model is built on the meta device: shapes only."""
     with torch.device("meta"):
         model = MiniMindForCausalLM(config)
     shapes = [tuple(p.shape) for name, p in model.named_parameters() if is_block_matrix(name, p)]
     step_flops = flops_per_token(config, count_parameters(model)[1], seq_len) * tokens_per_step
-    return newton_schulz_flops(shapes) / step_flops
+    return newton_schulz_flops(shapes, ns_steps) / step_flops
 
 
 def peak_bf16_tflops(device_name: str) -> float | None:

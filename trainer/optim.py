@@ -98,8 +98,8 @@ def build_optimizer(model, optim, ns_dtype: torch.dtype = torch.float32, compile
     muon_groups = [g for g in groups if g["name"] == "muon"]
     if muon_groups:
         optimizers.append(Muon(muon_groups, lr=optim.muon_lr, weight_decay=optim.weight_decay, ns_dtype=ns_dtype,
-                               process_group=replica_group, compile_update=compile_update,
-                               normuon=bool(optim.normuon)))
+                               ns_steps=optim.muon_ns_steps, process_group=replica_group,
+                               compile_update=compile_update, normuon=bool(optim.normuon)))
     return optimizers
 
 
@@ -109,8 +109,9 @@ def describe(optimizer: Optimizers, optim) -> str:
     for opt in optimizer:
         for g in opt.param_groups:
             n = sum(p.numel() for p in g["params"])
+            steps = f", {g['ns_steps']} Newton-Schulz steps" if "ns_steps" in g else ""
             parts.append(f"{g['name']} ({type(opt).__name__}, {n / 1e6:.2f}M params, lr "
-                         f"{peak_lr(g['name'], optim):.1e}, wd {g['weight_decay']:g})")
+                         f"{peak_lr(g['name'], optim):.1e}, wd {g['weight_decay']:g}{steps})")
     if optim.optimizer == "muon" and optim.normuon:
         parts.append(f"NorMuon (beta2 {NORMUON_BETA2:g})")
     cooldown = f", cooldown over the last {optim.cooldown_frac:.0%}" if optim.lr_schedule == "wsd" else ""
