@@ -62,9 +62,10 @@ def flops_per_token(config, active_params: int, seq_len: int) -> float:
 
 
 def muon_flop_share(config, tokens_per_step: int, seq_len: int, ns_steps: int = NS_STEPS) -> float:
-    """Newton-Schulz FLOPs of one Muon step (`ns_steps` iterations) over the forward and backward FLOPs of the optimizer
-    step (tokens_per_step tokens in all ranks' micro-batches); per rank too, up to rounding, as
-    both are split across the ranks. The model is built on the meta device: shapes only."""
+    """Newton-Schulz FLOPs of one Muon step (`ns_steps` iterations) over the forward and backward
+    FLOPs of the optimizer step (tokens_per_step tokens in all ranks' micro-batches); per rank too,
+    up to rounding, as both are split across the ranks. The model is built on the meta device:
+    shapes only."""
     with torch.device("meta"):
         model = MiniMindForCausalLM(config)
     shapes = [tuple(p.shape) for name, p in model.named_parameters() if is_block_matrix(name, p)]
