@@ -169,7 +169,9 @@ def resolve_auto(cfg, origin: dict, device, sharded: bool, lm_config, tokens_per
     reasons = {name: why[origin.get(name, "default")].format(name) for name in AUTO_FLAGS}
     values = {}
     values["dtype"], reasons["dtype"] = detect_dtype(cfg.system.dtype, device, sharded)
-    share_at = lambda steps: muon_flop_share(lm_config, tokens_per_step, cfg.model.max_seq_len, steps)  # noqa: E731
+    # Newton-Schulz's FLOPs grow with its steps one for one: the model's shapes are read once.
+    per_step = muon_flop_share(lm_config, tokens_per_step, cfg.model.max_seq_len, ns_steps=1)
+    share_at = lambda steps: steps * per_step  # noqa: E731
     values["muon_ns_steps"], reasons["muon_ns_steps"] = resolve_ns_steps(cfg.optim.muon_ns_steps, share_at)
     optimizer = cfg.optim.optimizer
     if optimizer == "auto":
