@@ -249,3 +249,65 @@ def test_the_ood_set_is_built_once_without_the_corpus_text_unless_one_is_given(t
     assert not (tmp_path / "elsewhere").exists()
     with pytest.raises(SystemExit):
         parse_args(["--ood_data", str(tmp_path / "nowhere.jsonl")])
+
+
+def test_the_ood_curves_table_reads_each_seed_against_as_final_ood_loss_and_time():
+    """(a)'s seed 42 ends at OOD loss 5.5 after 20 s, seed 43 at 5.0 after 25 s. b's seed 42 falls
+    from 6.0 at 5 s to 5.0 at 10 s: 5.5 halfway, at 7.5 s and step 15, 20 / 7.5 = 2.67x sooner;
+    its seed 43 gets to 5.0 at its second point, 10 s and step 20, 25 / 10 = 2.5x."""
+    from scripts.bench.held_out_ood import ood_reach_lines
+
+    a = {42: [dict(CURVE[0], val_loss=5.8), dict(CURVE[1], train_s=20.0, val_loss=5.5, val_bpb=2.2)],
+         43: [dict(CURVE[0], val_loss=5.2), dict(CURVE[1], train_s=25.0, val_loss=5.0, val_bpb=2.1)]}
+    b = {42: CURVE, 43: [CURVE[0], dict(CURVE[1], val_bpb=1.6)]}
+    header, rule, row_a, row_b = ood_reach_lines({"a_minimind": a, "b": b}, {42: 20.0, 43: 25.0})
+    assert header.startswith("| variant | time to (a)'s final OOD loss, s |") and rule.count("|") == header.count("|")
+    assert row_a == "| a_minimind | 22.5 (20.0-25.0) | 1.0 (1.0-1.0) | 20.0 (20.0-20.0) | 2.1500 (2.1000-2.2000) |"
+    assert row_b == "| b | 8.8 (7.5-10.0) | 2.6 (2.5-2.7) | 17.5 (15.0-20.0) | 1.7000 (1.6000-1.8000) |"
+    never = ood_reach_lines({"a_minimind": a, "b": {42: [dict(CURVE[0], val_loss=9.0)], 43: CURVE}},
+                            {42: 20.0, 43: 25.0})[3]
+    assert never.startswith("| b | 10.0 (10.0-10.0), 1 of 2 | 2.5 (2.5-2.5), 1 of 2 |")
+
+
+def test_the_ood_curve_scores_each_kept_checkpoint_at_its_validations_time(tmp_path, tiny_run, tiny_tokenizer_dir):
+    """Two resume checkpoints, steps 5 and 10 (other weights): each scored as final weights are,
+    at its step's training seconds; the older removed once scored, the curve kept and read back."""
+    import json
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from model.weights import load_model
+    from scripts.bench.held_out_ood import ood_curve, ood_score
+
+    root, args, ood, _ = tiny_run
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    model, _ = load_model(root / "b_defaults" / "bench_64.pth")
+    ckpt = tmp_path / "run" / "ckpt"
+    ckpt.mkdir(parents=True)
+    expected = []
+    for step in (5, 10):
+        with torch.no_grad():
+            model.model.norm.weight.mul_(0.5)
+        path = ckpt / f"bench_64_resume_step{step:07d}.pth"
+        torch.save({"model": model.state_dict(), "model_config": model.config.to_dict()}, path)
+        path.with_name(path.name + ".json").write_text(json.dumps({"tokens_seen": step * 100}))
+        expected.append(ood_score(model, tokenizer, ood, 48))
+    val = [{"step": 5, "train_s": 1.5}, {"step": 10, "train_s": 3.25}]
+    curve = ood_curve(tmp_path / "run", "bench_64", val, tokenizer, ood, 48)
+    assert [(row["step"], row["train_s"]) for row in curve] == [(5, 1.5), (10, 3.25)]
+    for row, scores in zip(curve, expected):
+        assert (row["val_loss"], row["val_bpb"]) == pytest.approx((scores["loss"], scores["bpb"]), abs=1e-6)
+    assert expected[0]["loss"] != pytest.approx(expected[1]["loss"], abs=1e-3)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["bench_64_resume_step0000010.pth",
+                                                      "bench_64_resume_step0000010.pth.json"]
+    assert ood_curve(tmp_path / "run", "bench_64", [], tokenizer, ood, 48) == curve  # read back, nothing rescored
+
+
+@pytest.mark.parametrize("every", ["-5", "7"])
+def test_ood_every_must_be_a_multiple_of_eval_every(every, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--ood_every", every, "--eval_every", "5"])
+    err = capsys.readouterr().err.strip()
+    assert f"--ood_every {every}" in err and len(err.splitlines()) == 1
+    assert parse_args(["--ood_every", "10", "--eval_every", "5"]).ood_every == 10

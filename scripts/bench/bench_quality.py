@@ -44,8 +44,9 @@ A second held-out set, out of distribution: every variant's final weights are al
 packages requirements.txt pins, minus any text of --corpus; its sha256 is printed, for two
 machines to compare), with scripts/eval_llm.py's perplexity (each document alone, cut to
 --max_seq_len tokens): its loss and bits per byte sit beside the in-distribution ones. The
-trainer validates on val.bin only, and the bench keeps no weights before the final ones, so
-the OOD figures are the final weights' only. The rule: a default must not win on one set and
+trainer validates on val.bin only; with --ood_every N the runs also save a checkpoint every N
+steps, the bench scores each one's weights on the OOD set after the run (then removes all but
+the newest) and reports the time and steps to (a)'s final OOD loss, as for val.bin. The rule: a default must not win on one set and
 lose on the other. A variant whose final bits per byte beats (a)'s, or b_defaults', on one set
 and loses on the other (the means over the seeds, with --seeds N) gets a line that says so.
 """
@@ -64,7 +65,10 @@ from dataset.lm_dataset import load_tokenizer  # noqa: E402
 from model.weights import load_model  # noqa: E402
 from scripts.build_eval_task import main as build_task, task_misfit  # noqa: E402
 from scripts.dev.launching import alternate, launch  # noqa: E402
-from scripts.bench.held_out_ood import mean, mixed_verdicts, ood_file, ood_line, ood_score  # noqa: E402
+from scripts.bench.curves import at_time, first_reach, mean, spread  # noqa: E402
+from scripts.bench.held_out_ood import (  # noqa: E402
+    mixed_verdicts, ood_curve, ood_file, ood_line, ood_reach_lines, ood_score,
+)
 from trainer.config import TrainConfig  # noqa: E402
 from common.cli import OneLineArgumentParser  # noqa: E402
 from trainer.evaluate import encode_task, evaluate_task, load_task  # noqa: E402
@@ -112,6 +116,10 @@ def parse_args(argv=None):
     p.add_argument("--ood_data", default=None,
                    help="out-of-distribution held-out .jsonl scored on each variant's final weights (default: "
                         "dataset/ood_corpus.py's set, built into OUT_DIR/data/ood.jsonl without --corpus's text)")
+    p.add_argument("--ood_every", type=int, default=0,
+                   help="N > 0 (a multiple of --eval_every): also score the OOD set every N steps, from the "
+                        "checkpoints the runs then save every N steps, and report each variant's time to (a)'s "
+                        "final OOD loss (0: the final weights only)")
     p.add_argument("--plot", default=None, help="PNG path (default: OUT_DIR/val_loss_vs_time.png)")
     p.add_argument("--reuse", type=int, default=0, choices=[0, 1],
                    help="1: report a variant's run already in OUT_DIR (finished or stopped early) instead of training it")
@@ -128,6 +136,9 @@ def parse_args(argv=None):
         p.error(f"--corpus {args.corpus}: not found; pass an existing .jsonl file (the default builds the demo's)")
     if args.ood_data and not Path(args.ood_data).is_file():
         p.error(f"--ood_data {args.ood_data}: not found; pass an existing .jsonl file (the default builds one)")
+    if args.ood_every < 0 or (args.ood_every and args.ood_every % args.eval_every):
+        p.error(f"--ood_every {args.ood_every}: give 0 or a multiple of --eval_every ({args.eval_every}), so that "
+                f"each OOD point has its validation's training seconds")
     if "a_minimind" not in args.variants.split(","):
         p.error("--variants must include a_minimind: it is the reference")
     for extra in args.variant:
@@ -209,6 +220,13 @@ def read_val(metrics: Path) -> list[dict]:
     return [r for r in rows if r["kind"] == "val"]
 
 
+def save_flags(args) -> list:
+    """The final weights only; with --ood_every N, a checkpoint every N steps too, each kept."""
+    if not args.ood_every:
+        return ["--save_interval", args.steps]
+    return ["--save_interval", args.ood_every, "--keep_last", args.steps // args.ood_every + 1]
+
+
 def train(name, kind, flags, args, data: Path, out: Path) -> list[dict]:
     run_dir = out / name
     metrics = run_dir / f"{run_prefix('bench', args.hidden_size, False)}_metrics.jsonl"
@@ -218,7 +236,7 @@ def train(name, kind, flags, args, data: Path, out: Path) -> list[dict]:
     flags = ["--data_path", data / f"train.{kind}", "--val_data_path", data / "val.bin", "--hidden_size",
              args.hidden_size, "--num_hidden_layers", args.num_hidden_layers, "--max_seq_len", args.max_seq_len,
              "--batch_size", args.batch_size, "--max_steps", args.steps, "--eval_interval", args.eval_every,
-             "--eval_batches", "1000", "--log_interval", args.eval_every, "--save_interval", args.steps,
+             "--eval_batches", "1000", "--log_interval", args.eval_every, *save_flags(args),
              "--num_workers", "0", "--save_dir", run_dir, "--checkpoint_dir", run_dir / "ckpt",
              "--save_weight", "bench", *flags]
     print(f"[{name}] trainer/train_pretrain.py {' '.join(map(str, flags))}", flush=True)
@@ -229,27 +247,6 @@ def train(name, kind, flags, args, data: Path, out: Path) -> list[dict]:
     print(f"[{name}] {len(val)} val points, final val_loss {val[-1]['val_loss']:.4f}, "
           f"{val[-1]['train_s']:.0f} s training ({run.seconds:.0f} s with start-up and validation)", flush=True)
     return val
-
-
-def first_reach(val: list[dict], target: float, key: str) -> float | None:
-    """`key` (train_s or step) where the val curve first falls to `target`, linearly
-    interpolated between the two validations around the crossing."""
-    for prev, row in zip([None] + val, val):
-        if row["val_loss"] <= target:
-            if prev is None:
-                return row[key]
-            frac = (prev["val_loss"] - target) / (prev["val_loss"] - row["val_loss"])
-            return prev[key] + frac * (row[key] - prev[key])
-    return None
-
-
-def at_time(val: list[dict], seconds: float, key: str) -> float:
-    """`key` linearly interpolated at `seconds` (the last value past the end of the run)."""
-    points = [(0.0, None)] + [(r["train_s"], r[key]) for r in val]
-    for (t0, v0), (t1, v1) in zip(points, points[1:]):
-        if seconds <= t1:
-            return v1 if v0 is None else v0 + (v1 - v0) * (seconds - t0) / (t1 - t0)
-    return points[-1][1]
 
 
 def report(curves: dict, args, accuracy: dict | None = None, ood: dict | None = None) -> list[str]:
@@ -314,16 +311,6 @@ def report_seeds(runs: dict, args, accuracy: dict | None = None, ood: dict | Non
     return lines + ["", *mixed_verdicts(means)]
 
 
-def spread(values: list, spec: str) -> str:
-    """'mean (min-max)' of the values there are (None: a seed that never got there), in format
-    `spec`, and how many there are when not all."""
-    have = [v for v in values if v is not None]
-    if not have:
-        return "-"
-    text = f"{sum(have) / len(have):{spec}} ({min(have):{spec}}-{max(have):{spec}})"
-    return text if len(have) == len(values) else f"{text}, {len(have)} of {len(values)}"
-
-
 def plot(runs: dict, path: Path, title: str):
     """runs: {variant: [val curve of each seed]}, one colour per variant."""
     import matplotlib
@@ -381,6 +368,13 @@ def main(argv=None):
         lines = report_seeds(runs, args, accuracy, ood_scores)
         raw = runs, {name: {seed: acc and vars(acc) for seed, acc in by_seed.items()}
                      for name, by_seed in accuracy.items()}
+    if args.ood_every:
+        prefix = run_prefix("bench", args.hidden_size, False)
+        curves = {name: {seed: ood_curve(out / run, prefix, runs[name][seed], tokenizer, ood, args.max_seq_len)
+                         for seed, run in by_seed.items()} for name, by_seed in names.items()}
+        lines += ["", f"Out of distribution, scored every {args.ood_every} steps:", "",
+                  *ood_reach_lines(curves, {seed: val[-1]["train_s"] for seed, val in runs["a_minimind"].items()})]
+        (out / "ood_curves.json").write_text(json.dumps(curves, indent=1))
     lines.append(ood_line(ood))
     print("\n".join(lines))
     (out / "results.md").write_text("\n".join(lines) + "\n")

@@ -1,6 +1,6 @@
 """bench_quality.py's second held-out set, out of distribution: where it comes from, each
-variant's final weights scored on it, and the rule that a default must not win on one held-out
-set and lose on the other, checked.
+variant's final weights (and with --ood_every its checkpoints along the run) scored on it, and
+the rule that a default must not win on one held-out set and lose on the other, checked.
 
 The set is dataset/ood_corpus.py's (the READMEs of the packages requirements.txt pins), built
 without the bench's --corpus text. The score is scripts/eval_llm.py's --ppl_data, called as a
@@ -8,10 +8,15 @@ function: each document alone, BOS + text + EOS cut to the bench's --max_seq_len
 bench's OOD bits per byte of a run is what `eval_llm.py --ppl_data` prints for its weights.
 """
 import hashlib
+import json
+import re
 from pathlib import Path
 
 from dataset.ood_corpus import build_ood_corpus, format_summary
+from model.weights import load_model
+from scripts.bench.curves import first_reach, spread
 from scripts.eval_llm import perplexity
+from trainer.checkpoint import list_checkpoints
 
 REFERENCES = ("a_minimind", "b_defaults")  # MiniMind's recipe; the defaults an option must beat
 SETS = ("in distribution", "out of distribution")
@@ -35,10 +40,42 @@ def ood_score(model, tokenizer, path: Path, max_seq_len: int) -> dict:
     return {"loss": loss, "bpb": bpb, "docs": docs, "tokens": tokens}
 
 
-def mean(values: list):
-    """The mean of the values there are (None: a seed without final weights), or None."""
-    have = [v for v in values if v is not None]
-    return sum(have) / len(have) if have else None
+def ood_curve(run_dir: Path, prefix: str, val: list[dict], tokenizer, path: Path, max_seq_len: int) -> list[dict]:
+    """A run's OOD curve: the weights of each checkpoint a run with --ood_every kept, scored as the
+    final ones are, at the step and training seconds of that step's validation, in the keys of a
+    val curve (val_loss, val_bpb: here on the OOD set). Kept in run_dir/ood_curve.json and read
+    back from there; each checkpoint scored is removed but the newest, which a resume needs."""
+    kept = run_dir / "ood_curve.json"
+    if kept.exists():
+        return json.loads(kept.read_text())
+    seconds = {row["step"]: row["train_s"] for row in val}
+    curve, newest_first = [], list_checkpoints(str(run_dir / "ckpt"), prefix)
+    for checkpoint in reversed(newest_first):
+        step = int(re.search(r"_resume_step(\d+)\.pth$", checkpoint)[1])
+        scores = ood_score(load_model(checkpoint)[0], tokenizer, path, max_seq_len)
+        curve.append({"step": step, "train_s": seconds[step], "val_loss": scores["loss"], "val_bpb": scores["bpb"]})
+    kept.write_text(json.dumps(curve, indent=1))
+    for checkpoint in newest_first[1:]:
+        for name in (checkpoint, f"{checkpoint}.json"):
+            Path(name).unlink()
+    return curve
+
+
+def ood_reach_lines(curves: dict, ref_times: dict) -> list[str]:
+    """The table of the OOD curves: per variant, the training seconds and steps at which its OOD
+    loss first falls to (a)'s final OOD loss, (a)'s training time over those seconds, and its
+    final OOD bits per byte, each the mean (min-max) over the seeds, each seed against (a)'s run
+    of that seed. curves: {variant: {seed: ood_curve}}; ref_times: {seed: (a)'s training seconds}."""
+    ref = curves["a_minimind"]
+    lines = ["| variant | time to (a)'s final OOD loss, s | (a)'s time / that time | steps to it | final OOD "
+             "bits/byte |", "|---|---|---|---|---|"]
+    for name, by_seed in curves.items():
+        reach = {seed: first_reach(curve, ref[seed][-1]["val_loss"], "train_s") for seed, curve in by_seed.items()}
+        steps = [first_reach(curve, ref[seed][-1]["val_loss"], "step") for seed, curve in by_seed.items()]
+        ratio = [ref_times[seed] / t if t else None for seed, t in reach.items()]
+        lines.append(f"| {name} | {spread(list(reach.values()), '.1f')} | {spread(ratio, '.1f')} | "
+                     f"{spread(steps, '.1f')} | {spread([c[-1]['val_bpb'] for c in by_seed.values()], '.4f')} |")
+    return lines
 
 
 def mixed_verdicts(finals: dict) -> list[str]:
