@@ -11,7 +11,8 @@ from common.errors import UserError
 from tests.support.jobs import run_trainer
 from tests.support.run_outputs import latest_checkpoint, out_args
 from tests.support.tiny import TINY, ensure_demo_corpus
-from trainer.config import FIXED, TrainConfig, legacy_record, parse_config, resume_config
+from trainer.config import FIXED, TrainConfig, parse_config
+from trainer.resume_config import legacy_record, resume_config
 
 
 # ---------------------------------------------------------------------------- the config

@@ -163,7 +163,7 @@ def fresh_recipe(hidden_size: int, optimizer: str) -> dict:
 
 def resolve_auto(cfg, origin: dict, device, sharded: bool, lm_config, tokens_per_step: int):
     """The TrainConfig with every auto flag decided, each logged once with its reason, and marked
-    resolved. origin: where each flag's value came from (trainer/config.py's resume_config; a flag
+    resolved. origin: where each flag's value came from (trainer/resume_config.py; a flag
     missing there is a default)."""
     why = {"typed": "--{}", "stored": "the checkpoint's", "default": "this stage's default"}
     reasons = {name: why[origin.get(name, "default")].format(name) for name in AUTO_FLAGS}

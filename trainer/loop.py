@@ -27,8 +27,7 @@ from model.model_minimind import count_parameters
 from trainer.checkpoint import CheckpointManager, newest_record
 from trainer.auto import resolve_auto
 from trainer.config import (
-    PRETRAIN_GROUPS, TrainConfig, check_config, legacy_record, metrics_path, parse_config, resume_config, run_prefix,
-    weights_path,
+    PRETRAIN_GROUPS, TrainConfig, check_config, metrics_path, parse_config, run_prefix, weights_path,
 )
 from trainer.data import (
     LoaderStalled, ResumableDistributedSampler, TrainData, check_worker_tmpdir, global_batches, make_train_loader,
@@ -42,6 +41,7 @@ from trainer.distributed import (
 from trainer.evaluate import encode_task, load_task, validate
 from trainer.metrics import Profiling, RunLogger, Throughput, device_peak_flops, flops_per_token
 from trainer.optim import build_optimizer, describe, set_lr
+from trainer.resume_config import legacy_record, resume_config
 from trainer.step import Requests, StepTotals, TrainParts, optimizer_step
 from trainer.train_state import ModelState, RNGState, ScalerState, TrainState, global_batch, plan_steps
 from trainer.trainer_utils import init_model, initial_weights, model_config, setup_seed, zero_output_projections
@@ -181,7 +181,7 @@ def train(cfg: TrainConfig, typed: frozenset, env, stage: Stage) -> int:
 # ---------------------------------------------------------------------------- the pieces train() calls
 def settle_config(cfg: TrainConfig, typed: frozenset, env) -> tuple:
     """(the config the run trains with, its model's MiniMindConfig): a resume's stored values
-    merged in (trainer/config.py's resume_config), every auto decided (trainer/auto.py), and the
+    merged in (trainer/resume_config.py), every auto decided (trainer/auto.py), and the
     whole checked, before any work. Every rank reads the same record (a broadcast) and decides
     alike, so a bad combination stops every rank with the same line."""
     lm_config = model_config(cfg, typed)
