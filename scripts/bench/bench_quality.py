@@ -372,6 +372,11 @@ def main(argv=None):
         prefix = run_prefix("bench", args.hidden_size, False)
         curves = {name: {seed: ood_curve(out / run, prefix, runs[name][seed], tokenizer, ood, args.max_seq_len)
                          for seed, run in by_seed.items()} for name, by_seed in names.items()}
+        sparse = [names[name][seed] for name, by_seed in curves.items() for seed, curve in by_seed.items()
+                  if len(curve) < args.steps // args.ood_every]
+        if sparse:  # reused runs, trained without --ood_every or with a larger one
+            print(f"bench_quality: {', '.join(sparse)}: fewer OOD points than --ood_every {args.ood_every} gives "
+                  f"(trained without it, or with a larger N); run them again without --reuse", flush=True)
         lines += ["", f"Out of distribution, scored every {args.ood_every} steps:", "",
                   *ood_reach_lines(curves, {seed: val[-1]["train_s"] for seed, val in runs["a_minimind"].items()})]
         (out / "ood_curves.json").write_text(json.dumps(curves, indent=1))
