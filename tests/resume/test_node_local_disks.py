@@ -35,7 +35,8 @@ def copy_repo(dest: Path) -> Path:
 
 
 def checkpoint_files(node: Path) -> list[str]:
-    return sorted(str(p.relative_to(node)) for p in node.rglob("*resume*"))
+    """Every checkpoint file anywhere on the node's disk ({prefix}_resume...; not trainer/resume_config.py)."""
+    return sorted(str(p.relative_to(node)) for p in node.rglob("*_resume*"))
 
 
 @pytest.fixture(scope="module")
