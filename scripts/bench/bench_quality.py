@@ -46,9 +46,10 @@ machines to compare), with scripts/eval_llm.py's perplexity (each document alone
 --max_seq_len tokens): its loss and bits per byte sit beside the in-distribution ones. The
 trainer validates on val.bin only; with --ood_every N the runs also save a checkpoint every N
 steps, the bench scores each one's weights on the OOD set after the run (then removes all but
-the newest) and reports the time and steps to (a)'s final OOD loss, as for val.bin. The rule: a default must not win on one set and
-lose on the other. A variant whose final bits per byte beats (a)'s, or b_defaults', on one set
-and loses on the other (the means over the seeds, with --seeds N) gets a line that says so.
+the newest) and reports the time and steps to (a)'s final OOD loss, as for val.bin. The rule:
+a default must not win on one set and lose on the other. A variant whose final bits per byte
+beats (a)'s, or b_defaults', on one set and loses on the other (the means over the seeds, with
+--seeds N) gets a line that says so.
 """
 import json
 import shlex
