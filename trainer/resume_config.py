@@ -18,13 +18,13 @@ def resume_config(cfg: TrainConfig, typed: frozenset, stored: dict, source: str 
     The run's groups take the stored values, but for the flags typed here; "auto" typed is
     no value and leaves the stored one. A typed value in FIXED that the checkpoint contradicts
     stops the run. The launch's groups are this command line's."""
-    values, origin = {}, {}
+    values, origin, flags = {}, {}, cfg.flags()
     for group, entries in stored.items():
         for name, was in entries.items():
             if group in LAUNCH_GROUPS or GROUP_OF.get(name) != group:
                 continue
             was = tuple(was) if isinstance(was, list) else was
-            now = cfg.flags()[name]
+            now = flags[name]
             if name in typed and now != "auto":
                 if name in FIXED and now != was:
                     raise UserError(f"--{name} {now}: {source} this run resumes trained with --{name} {was}; "
