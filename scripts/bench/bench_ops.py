@@ -1,6 +1,6 @@
 """Micro-benchmarks of single operations, one subcommand and one table each:
 
-    python scripts/bench/bench_ops.py attention [--device cuda]    # the document mask: dense SDPA against FlexAttention
+    python scripts/bench/bench_ops.py attention [--device cuda]    # the document mask: dense SDPA, plain matmuls, FlexAttention
     python scripts/bench/bench_ops.py loss [--device cuda]         # F.cross_entropy on upcast logits against model/loss.py
     python scripts/bench/bench_ops.py dtype                        # a training step in bf16 autocast against fp32 (CPU)
     python scripts/bench/bench_ops.py optimizer [--settings cuda]  # Muon's step alone: ours, torch.optim.Muon, AdamW
@@ -76,8 +76,10 @@ def attention_args(p):
 
     One attention layer's core (q, k, v already projected: 8 query heads, 4 key/value heads) per
     hidden size and sequence length, through the model's own Attention code: forward alone,
-    forward+backward and building the mask, for SDPA with the dense (B,1,T,T) mask, FlexAttention
-    with a BlockMask, and causal SDPA without a document mask (what any mask costs). A second table
+    forward+backward and building the mask, for SDPA with the dense (B,1,T,T) mask, the same mask
+    in the model's plain-math path (flash_attn=False: batched matmuls and a softmax, no fused
+    kernel), FlexAttention with a BlockMask, and causal SDPA without a document mask (what any
+    mask costs). A second table
     builds the BlockMask from the document boundaries (the trainer's) against create_block_mask,
     which evaluates the mask at every position. Documents have the demo corpus's mean length.
     On CPU FlexAttention has no backward (torch raises NotImplementedError): its forward only.
@@ -108,12 +110,16 @@ def qkv(attn, batch, seq_len, device, dtype, grad):
 def attention_cell(hidden, seq_len, args, dtype) -> list[dict]:
     """One row per variant: its median seconds forward, forward+backward, and building its mask."""
     attn = Attention(MiniMindConfig(hidden_size=hidden, num_attention_heads=8, num_key_value_heads=4))
+    # The model's plain-math path (flash_attn=False): batched matmuls and a softmax, no fused kernel.
+    matmuls = Attention(MiniMindConfig(hidden_size=hidden, num_attention_heads=8, num_key_value_heads=4,
+                                       flash_attn=False))
     starts = packed_ids(args.batch_size, seq_len, args.device) == BOS
     masks = {"dense mask SDPA": lambda: dense_document_mask(starts),
              "FlexAttention": lambda: document_block_mask(starts)}
     dense, flex = (make() for make in masks.values())
     attend = {"causal (no doc mask)": lambda q, k, v: attn._attend(q, k, v, None, 0.0, is_causal=True),
               "dense mask SDPA": lambda q, k, v: attn._attend(q, k, v, dense, 0.0, is_causal=False),
+              "dense mask, plain matmuls": lambda q, k, v: matmuls._attend(q, k, v, dense, 0.0, is_causal=False),
               "FlexAttention": lambda q, k, v: attn._flex_attend(q, k, v, flex, 0.0)}
     flex_backward = torch.device(args.device).type != "cpu"
     sync = cuda_sync(args.device)
