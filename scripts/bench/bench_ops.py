@@ -79,9 +79,9 @@ def attention_args(p):
     forward+backward and building the mask, for SDPA with the dense (B,1,T,T) mask, the same mask
     in the model's plain-math path (flash_attn=False: batched matmuls and a softmax, no fused
     kernel), FlexAttention with a BlockMask, and causal SDPA without a document mask (what any
-    mask costs). A second table
-    builds the BlockMask from the document boundaries (the trainer's) against create_block_mask,
-    which evaluates the mask at every position. Documents have the demo corpus's mean length.
+    mask costs). A second table builds the BlockMask from the document boundaries (the trainer's)
+    against create_block_mask, which evaluates the mask at every position. Documents have the demo
+    corpus's mean length.
     On CPU FlexAttention has no backward (torch raises NotImplementedError): its forward only.
     --check compares the two masks' outputs (and, where FlexAttention has a backward, gradients)."""
     p.add_argument("--device", default="cpu")
