@@ -1,6 +1,7 @@
 """trainer/step.py's loss and figures by name: training_loss assembles what a step trains on,
 each named part is summed over the ranks in the step's one all-reduce, and the totals and the
-log line take every name there is, so that a new logged term is a line in step.py."""
+log line take every name there is, so that a new logged term is a line in step.py; the step's
+gradient norm, before clipping, is logged beside them."""
 import json
 from contextlib import nullcontext
 
@@ -39,7 +40,7 @@ def test_each_named_figure_is_summed_over_the_ranks(monkeypatch):
     one = one_step(1)
     monkeypatch.setattr(step_module, "all_reduce_sum", lambda t: t.mul_(2))
     two = one_step(2)
-    assert set(one.figures) == {"tokens", *step_module.AVERAGED}
+    assert set(one.figures) == {"tokens", "grad_norm", *step_module.AVERAGED}
     assert one.figures["tokens"].item() == 16 + 10 and two.figures["tokens"].item() == 2 * (16 + 10)
     # per token: the sum over every rank's tokens; per micro-batch: the mean over the ranks
     assert two.figures["loss"].item() == 2 * one.figures["loss"].item()
@@ -58,16 +59,40 @@ def test_a_new_part_is_one_entry_and_reaches_the_totals_and_the_log_row_and_line
     monkeypatch.setitem(step_module.AVERAGED, "z_loss", PER_TOKEN)
     assert step_module.AVERAGED["aux_loss"] == PER_MICRO_BATCH
     totals = StepTotals(torch.device("cpu"))
-    totals.add(result(tokens=100, loss=250.0, aux_loss=0.5, z_loss=10.0))
-    totals.add(result(tokens=300, loss=550.0, aux_loss=0.25, z_loss=30.0))
-    losses = totals.take_window()
-    assert losses == {"loss": 2.0, "aux_loss": 0.375, "z_loss": 0.1}  # (250 + 550) / 400, (0.5 + 0.25) / 2
-    assert all(v != v for v in totals.take_window().values())  # an empty window: NaN, not 0 / 0
+    totals.add(result(tokens=100, grad_norm=3.0, loss=250.0, aux_loss=0.5, z_loss=10.0))
+    totals.add(result(tokens=300, grad_norm=1.0, loss=550.0, aux_loss=0.25, z_loss=30.0))
+    window = totals.take_window()
+    # (250 + 550) / 400, (0.5 + 0.25) / 2, (10 + 30) / 400; the gradient norm per update: (3 + 1) / 2
+    assert window == {"loss": 2.0, "aux_loss": 0.375, "z_loss": 0.1, "grad_norm": 2.0}
+    empty = totals.take_window()
+    assert set(empty) == set(window) and all(v != v for v in empty.values())  # NaN, not 0 / 0
 
     output = type("Output", (), {"save_dir": str(tmp_path), "from_resume": 0, "use_wandb": False})
     log = RunLogger(str(tmp_path / "metrics.jsonl"), output, "p", TrainState(StepPlan(4, 1, 1, 10, 10)), {}, True,
                     TrainClock())
-    log.log_train(2, 0, losses, {"decay": 1e-3}, 400, 1000.0, 900.0, None)
+    log.log_train(2, 0, window, {"decay": 1e-3}, 400, 1000.0, 900.0, None)
     row = json.loads((tmp_path / "metrics.jsonl").read_text())
-    assert {k: row[k] for k in losses} == losses
-    assert "loss 2.0000 aux_loss 0.3750 z_loss 0.1000 lr decay=1.00e-03" in capsys.readouterr().out
+    assert {k: row[k] for k in window} == window
+    assert "loss 2.0000 aux_loss 0.3750 z_loss 0.1000 grad_norm 2.0000 lr decay=1.00e-03" in capsys.readouterr().out
+
+
+def test_the_gradient_norm_is_the_global_norm_before_clipping():
+    """The step's grad_norm is the norm of all gradients of its loss, measured before --grad_clip
+    scales them: here 0.01, far below it, and the update is the clipped one."""
+    torch.manual_seed(0)
+    model = MiniMindForCausalLM(MiniMindConfig(hidden_size=64, num_hidden_layers=1, vocab_size=512))
+    twin = MiniMindForCausalLM(MiniMindConfig(hidden_size=64, num_hidden_layers=1, vocab_size=512))
+    twin.load_state_dict(model.state_dict())
+    ids = torch.randint(3, 512, (2, 16), generator=torch.Generator().manual_seed(1))
+    targets = ids.roll(-1, dims=1)
+    twin(ids, shift_labels=targets).loss.backward()
+    grads = [p.grad.clone() for p in twin.parameters()]
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
+    before = [p.detach().clone() for p in model.parameters()]
+    parts = TrainParts(model, model, torch.optim.SGD(model.parameters(), lr=1.0),
+                       torch.amp.GradScaler("cpu", enabled=False), nullcontext(), torch.device("cpu"), 1)
+    step = optimizer_step(parts, [(ids, targets)], grad_clip=0.01)
+    assert step.figures["grad_norm"].item() == pytest.approx(norm, rel=1e-5) and norm > 0.01
+    # SGD at lr 1: each weight moved by its gradient scaled to the clipped norm
+    for p, b, g in zip(model.parameters(), before, grads):
+        torch.testing.assert_close(b - p.detach(), g * (0.01 / norm), rtol=1e-4, atol=1e-7)

@@ -120,7 +120,8 @@ class OptimConfig:
         type=auto_or(int), check=number_from(1, "Newton-Schulz iterations per Muon step, e.g. 5"))
     param_groups: str = flag("split", "split: no weight decay on norms and other 1-D params; single: MiniMind's "
                              "one AdamW group", choices=("split", "single"))
-    grad_clip: float = flag(1.0, "clip the global gradient norm (0 or less: off)",
+    grad_clip: float = flag(1.0, "clip the global gradient norm (0 or less: off); the log's grad_norm is that "
+                            "norm before clipping, averaged over the log window",
                             check=lambda v: None if not math.isnan(v) else "must be a number (0 or less turns "
                                                                              "clipping off), got nan")
     weight_decay: float | Literal["auto"] = flag(

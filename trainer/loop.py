@@ -154,10 +154,10 @@ def train(cfg: TrainConfig, typed: frozenset, env, stage: Stage) -> int:
             if log_now or eval_now:
                 state.read_tokens()
             if log_now:
-                losses = totals.take_window()
+                window = totals.take_window()
                 tok_s, real_tok_s = throughput.report(step, state.tokens_seen)
                 mfu = flops_token * tok_s / env.world_size / peak_flops if peak_flops else None
-                log.log_train(step, epoch, losses, lrs, state.tokens_seen, tok_s, real_tok_s, mfu)
+                log.log_train(step, epoch, window, lrs, state.tokens_seen, tok_s, real_tok_s, mfu)
             if eval_now or save_now:
                 with clock.paused():  # tokens/s, MFU and train_s count training time only
                     if eval_now:

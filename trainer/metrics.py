@@ -190,25 +190,25 @@ class RunLogger:
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=row["step"])
 
-    def log_train(self, step: int, epoch: int, losses: dict, lrs: dict, tokens_seen: int,
+    def log_train(self, step: int, epoch: int, window: dict, lrs: dict, tokens_seen: int,
                   tok_s: float, real_tok_s: float, mfu: float | None):
-        """One training line and row: `losses` are the training loss's parts by name (trainer/step.py's
-        StepTotals), each in the row and the line under its name; "lr" in the row is the first
-        group's, "lr_<name>" each group's."""
+        """One training line and row: `window` holds the means since the last line by name (trainer/
+        step.py's StepTotals: the training loss's parts and the gradient norm), each in the row and
+        the line under its name; "lr" in the row is the first group's, "lr_<name>" each group's."""
         if not self.enabled:
             return
         memory = peak_memory_mib(self.device)
         self.bar.update(step - self.bar.n)  # moved at log steps only, as the log line
-        row = {"kind": "train", "step": step, "epoch": epoch, "tokens_seen": tokens_seen, **losses,
+        row = {"kind": "train", "step": step, "epoch": epoch, "tokens_seen": tokens_seen, **window,
                "lr": next(iter(lrs.values())), **{f"lr_{k}": v for k, v in lrs.items()},
                "tokens_per_s": tok_s, "nonpad_tokens_per_s": real_tok_s, "peak_mem_mib": memory}
-        loss_text = " ".join(f"{name} {value:.4f}" for name, value in losses.items())
+        window_text = " ".join(f"{name} {value:.4f}" for name, value in window.items())
         lr_text = " ".join(f"{k}={v:.2e}" for k, v in lrs.items())
         mfu_text = ""
         if mfu is not None:
             row["mfu"] = mfu
             mfu_text = f" mfu {mfu:.1%}"
-        self.log(row, f"epoch {epoch + 1}/{self.epochs} step {step}/{self.total_steps} {loss_text} "
+        self.log(row, f"epoch {epoch + 1}/{self.epochs} step {step}/{self.total_steps} {window_text} "
                       f"lr {lr_text} tok/s {tok_s:,.0f} (non-pad {real_tok_s:,.0f}){mfu_text} "
                       f"mem {memory:,.0f}MiB eta {self.eta(step)}")
 

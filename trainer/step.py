@@ -53,9 +53,10 @@ def training_loss(out, accum: int) -> tuple[torch.Tensor, dict[str, torch.Tensor
 
 @dataclass
 class StepResult:
-    # On the device, float64, summed over ranks: "tokens" (the targets trained on) and, for each
-    # part of the training loss, the sum whose window the log divides (StepTotals): per-token
-    # parts summed over the tokens, per-micro-batch ones as their mean over the ranks.
+    # On the device, float64: "tokens" (the targets trained on, summed over ranks), "grad_norm"
+    # (the global gradient norm before clipping) and, for each part of the training loss, the sum
+    # whose window the log divides (StepTotals): per-token parts summed over the tokens,
+    # per-micro-batch ones as their mean over the ranks.
     figures: dict[str, torch.Tensor]
     skipped: bool  # a non-finite loss or gradient norm on some rank: no update was made
     stop: bool  # some rank was asked to stop (preemption)
@@ -122,7 +123,8 @@ def optimizer_step(parts: TrainParts, micro_batches, grad_clip: float = 0.0,
         parts.scaler.step(parts.optimizer)
     parts.scaler.update()
     parts.optimizer.zero_grad(set_to_none=True)
-    figures = {"tokens": tokens}
+    # The global norm before clipping (every rank holds the same): how hard --grad_clip pulls.
+    figures = {"tokens": tokens, "grad_norm": grad_norm.double()}
     for name, value in summed.items():  # per-micro-batch parts: each rank's mean -> the mean over ranks
         figures[name] = value.double() if AVERAGED[name] == PER_TOKEN else value.double() / parts.world_size
     return StepResult(figures, skipped, asked["stop"], asked["save"])
@@ -146,7 +148,7 @@ class StepTotals:
     host only when it logs, so that ordinary steps stay free of device-to-host reads."""
 
     def __init__(self, device):
-        self.names = ("tokens", *AVERAGED)  # StepResult.figures, in one vector: one host read
+        self.names = ("tokens", "grad_norm", *AVERAGED)  # StepResult.figures, in one vector: one host read
         self.window = torch.zeros(len(self.names), dtype=torch.float64, device=device)
         self.updates = 0
 
@@ -157,10 +159,11 @@ class StepTotals:
 
     def take_window(self) -> dict[str, float]:
         """Each part of the training loss, averaged as AVERAGED says over the updates since the
-        last call: per token trained on, or per update."""
+        last call (per token trained on, or per update), then the mean gradient norm per update."""
         sums = dict(zip(self.names, self.window.tolist()))
         updates, self.updates = self.updates, 0
         self.window.zero_()
         if not updates:
-            return dict.fromkeys(AVERAGED, math.nan)
-        return {name: sums[name] / (sums["tokens"] if per == PER_TOKEN else updates) for name, per in AVERAGED.items()}
+            return dict.fromkeys((*AVERAGED, "grad_norm"), math.nan)
+        means = {name: sums[name] / (sums["tokens"] if per == PER_TOKEN else updates) for name, per in AVERAGED.items()}
+        return {**means, "grad_norm": sums["grad_norm"] / updates}
