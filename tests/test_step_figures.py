@@ -55,15 +55,17 @@ def result(**figures) -> StepResult:
 
 def test_a_new_part_is_one_entry_and_reaches_the_totals_and_the_log_row_and_line(tmp_path, monkeypatch, capsys):
     """A z-loss entered in AVERAGED alone is averaged over the window, and written in the metrics
-    row and the log line under its name, beside the loss and the aux loss."""
+    row and the log line under its name, beside the loss, the aux loss and the gradient norm, whose
+    mean leaves out a step fp16's scaler skipped (an inf norm)."""
     monkeypatch.setitem(step_module.AVERAGED, "z_loss", PER_TOKEN)
     assert step_module.AVERAGED["aux_loss"] == PER_MICRO_BATCH
     totals = StepTotals(torch.device("cpu"))
     totals.add(result(tokens=100, grad_norm=3.0, loss=250.0, aux_loss=0.5, z_loss=10.0))
     totals.add(result(tokens=300, grad_norm=1.0, loss=550.0, aux_loss=0.25, z_loss=30.0))
+    totals.add(result(tokens=0, grad_norm=float("inf"), loss=0.0, aux_loss=0.0, z_loss=0.0))  # fp16's overflow
     window = totals.take_window()
-    # (250 + 550) / 400, (0.5 + 0.25) / 2, (10 + 30) / 400; the gradient norm per update: (3 + 1) / 2
-    assert window == {"loss": 2.0, "aux_loss": 0.375, "z_loss": 0.1, "grad_norm": 2.0}
+    # (250 + 550) / 400, (0.5 + 0.25 + 0) / 3, (10 + 30) / 400; the finite gradient norms' mean: (3 + 1) / 2
+    assert window == {"loss": 2.0, "aux_loss": 0.25, "z_loss": 0.1, "grad_norm": 2.0}
     empty = totals.take_window()
     assert set(empty) == set(window) and all(v != v for v in empty.values())  # NaN, not 0 / 0
 
@@ -73,7 +75,7 @@ def test_a_new_part_is_one_entry_and_reaches_the_totals_and_the_log_row_and_line
     log.log_train(2, 0, window, {"decay": 1e-3}, 400, 1000.0, 900.0, None)
     row = json.loads((tmp_path / "metrics.jsonl").read_text())
     assert {k: row[k] for k in window} == window
-    assert "loss 2.0000 aux_loss 0.3750 z_loss 0.1000 grad_norm 2.0000 lr decay=1.00e-03" in capsys.readouterr().out
+    assert "loss 2.0000 aux_loss 0.2500 z_loss 0.1000 grad_norm 2.0000 lr decay=1.00e-03" in capsys.readouterr().out
 
 
 def test_the_gradient_norm_is_the_global_norm_before_clipping():

@@ -148,22 +148,27 @@ class StepTotals:
     host only when it logs, so that ordinary steps stay free of device-to-host reads."""
 
     def __init__(self, device):
-        self.names = ("tokens", "grad_norm", *AVERAGED)  # StepResult.figures, in one vector: one host read
+        # StepResult.figures and the count of finite gradient norms, in one vector: one host read
+        self.names = ("tokens", "grad_norm", "finite_norms", *AVERAGED)
         self.window = torch.zeros(len(self.names), dtype=torch.float64, device=device)
         self.updates = 0
 
     def add(self, result: StepResult):
         if not result.skipped:  # a skipped step's NaN loss would hide the others' in the mean
-            self.window += torch.stack([result.figures[name] for name in self.names])
+            # Under fp16 the GradScaler skips an overflowing step itself: its inf norm stays out of the mean.
+            norm = result.figures["grad_norm"]
+            finite = torch.isfinite(norm)
+            figures = {**result.figures, "grad_norm": torch.where(finite, norm, 0.0), "finite_norms": finite.double()}
+            self.window += torch.stack([figures[name] for name in self.names])
             self.updates += 1
 
     def take_window(self) -> dict[str, float]:
         """Each part of the training loss, averaged as AVERAGED says over the updates since the
-        last call (per token trained on, or per update), then the mean gradient norm per update."""
+        last call (per token trained on, or per update), then the mean of their finite gradient norms."""
         sums = dict(zip(self.names, self.window.tolist()))
         updates, self.updates = self.updates, 0
         self.window.zero_()
         if not updates:
             return dict.fromkeys((*AVERAGED, "grad_norm"), math.nan)
         means = {name: sums[name] / (sums["tokens"] if per == PER_TOKEN else updates) for name, per in AVERAGED.items()}
-        return {**means, "grad_norm": sums["grad_norm"] / updates}
+        return {**means, "grad_norm": sums["grad_norm"] / sums["finite_norms"] if sums["finite_norms"] else math.nan}
