@@ -256,5 +256,7 @@ def test_a_global_batch_without_a_reply_has_a_zero_loss_not_nan():
     before = [p.detach().clone() for p in model.parameters()]
     result = optimizer_step(context, [(ids, torch.full_like(ids, -100), starts)])
     assert not result.skipped
-    assert "loss" in result.figures and all(figure.item() == 0 for figure in result.figures.values()), result.figures
+    figures = {name: figure.item() for name, figure in result.figures.items()}
+    assert figures.pop("finite_norms") == 1  # the zero gradient's norm, 0, is finite
+    assert "loss" in figures and all(value == 0 for value in figures.values()), figures
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))  # SGD on zero gradients

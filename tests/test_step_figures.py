@@ -40,7 +40,7 @@ def test_each_named_figure_is_summed_over_the_ranks(monkeypatch):
     one = one_step(1)
     monkeypatch.setattr(step_module, "all_reduce_sum", lambda t: t.mul_(2))
     two = one_step(2)
-    assert set(one.figures) == {"tokens", "grad_norm", *step_module.AVERAGED}
+    assert set(one.figures) == {"tokens", "grad_norm", "finite_norms", *step_module.AVERAGED}
     assert one.figures["tokens"].item() == 16 + 10 and two.figures["tokens"].item() == 2 * (16 + 10)
     # per token: the sum over every rank's tokens; per micro-batch: the mean over the ranks
     assert two.figures["loss"].item() == 2 * one.figures["loss"].item()
@@ -56,13 +56,13 @@ def result(**figures) -> StepResult:
 def test_a_new_part_is_one_entry_and_reaches_the_totals_and_the_log_row_and_line(tmp_path, monkeypatch, capsys):
     """A z-loss entered in AVERAGED alone is averaged over the window, and written in the metrics
     row and the log line under its name, beside the loss, the aux loss and the gradient norm, whose
-    mean leaves out a step fp16's scaler skipped (an inf norm)."""
+    mean leaves out a step fp16's scaler skipped (no finite norm)."""
     monkeypatch.setitem(step_module.AVERAGED, "z_loss", PER_TOKEN)
     assert step_module.AVERAGED["aux_loss"] == PER_MICRO_BATCH
     totals = StepTotals(torch.device("cpu"))
-    totals.add(result(tokens=100, grad_norm=3.0, loss=250.0, aux_loss=0.5, z_loss=10.0))
-    totals.add(result(tokens=300, grad_norm=1.0, loss=550.0, aux_loss=0.25, z_loss=30.0))
-    totals.add(result(tokens=0, grad_norm=float("inf"), loss=0.0, aux_loss=0.0, z_loss=0.0))  # fp16's overflow
+    totals.add(result(tokens=100, grad_norm=3.0, finite_norms=1.0, loss=250.0, aux_loss=0.5, z_loss=10.0))
+    totals.add(result(tokens=300, grad_norm=1.0, finite_norms=1.0, loss=550.0, aux_loss=0.25, z_loss=30.0))
+    totals.add(result(tokens=0, grad_norm=0.0, finite_norms=0.0, loss=0.0, aux_loss=0.0, z_loss=0.0))  # fp16's overflow
     window = totals.take_window()
     # (250 + 550) / 400, (0.5 + 0.25 + 0) / 3, (10 + 30) / 400; the finite gradient norms' mean: (3 + 1) / 2
     assert window == {"loss": 2.0, "aux_loss": 0.25, "z_loss": 0.1, "grad_norm": 2.0}
@@ -78,6 +78,11 @@ def test_a_new_part_is_one_entry_and_reaches_the_totals_and_the_log_row_and_line
     assert "loss 2.0000 aux_loss 0.2500 z_loss 0.1000 grad_norm 2.0000 lr decay=1.00e-03" in capsys.readouterr().out
 
 
+def tiny_step_parts(model, scaler=None) -> TrainParts:
+    return TrainParts(model, model, torch.optim.SGD(model.parameters(), lr=1.0),
+                      scaler or torch.amp.GradScaler("cpu", enabled=False), nullcontext(), torch.device("cpu"), 1)
+
+
 def test_the_gradient_norm_is_the_global_norm_before_clipping():
     """The step's grad_norm is the norm of all gradients of its loss, measured before --grad_clip
     scales them: here 0.01, far below it, and the update is the clipped one."""
@@ -91,10 +96,23 @@ def test_the_gradient_norm_is_the_global_norm_before_clipping():
     grads = [p.grad.clone() for p in twin.parameters()]
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
     before = [p.detach().clone() for p in model.parameters()]
-    parts = TrainParts(model, model, torch.optim.SGD(model.parameters(), lr=1.0),
-                       torch.amp.GradScaler("cpu", enabled=False), nullcontext(), torch.device("cpu"), 1)
-    step = optimizer_step(parts, [(ids, targets)], grad_clip=0.01)
+    step = optimizer_step(tiny_step_parts(model), [(ids, targets)], grad_clip=0.01)
     assert step.figures["grad_norm"].item() == pytest.approx(norm, rel=1e-5) and norm > 0.01
+    assert step.figures["finite_norms"].item() == 1
     # SGD at lr 1: each weight moved by its gradient scaled to the clipped norm
     for p, b, g in zip(model.parameters(), before, grads):
         torch.testing.assert_close(b - p.detach(), g * (0.01 / norm), rtol=1e-4, atol=1e-7)
+
+
+def test_a_step_the_loss_scaler_skips_has_no_finite_norm():
+    """A loss scale so large that the gradients overflow: the scaler skips the update, the step is
+    not marked skipped (its loss is finite), and its inf norm is kept out of the log's mean."""
+    torch.manual_seed(0)
+    model = MiniMindForCausalLM(MiniMindConfig(hidden_size=64, num_hidden_layers=1, vocab_size=512))
+    before = [p.detach().clone() for p in model.parameters()]
+    ids = torch.randint(3, 512, (2, 16), generator=torch.Generator().manual_seed(1))
+    step = optimizer_step(tiny_step_parts(model, torch.amp.GradScaler("cpu", init_scale=1e38)),
+                          [(ids, ids.roll(-1, dims=1))], grad_clip=1.0)
+    assert not step.skipped
+    assert (step.figures["grad_norm"].item(), step.figures["finite_norms"].item()) == (0.0, 0.0)
+    assert all(torch.equal(b, p.detach()) for b, p in zip(before, model.parameters()))

@@ -54,7 +54,8 @@ def training_loss(out, accum: int) -> tuple[torch.Tensor, dict[str, torch.Tensor
 @dataclass
 class StepResult:
     # On the device, float64: "tokens" (the targets trained on, summed over ranks), "grad_norm"
-    # (the global gradient norm before clipping) and, for each part of the training loss, the sum
+    # (the global gradient norm before clipping, 0 where it was not finite) with "finite_norms"
+    # (1, or 0 for a step fp16's scaler skipped) and, for each part of the training loss, the sum
     # whose window the log divides (StepTotals): per-token parts summed over the tokens,
     # per-micro-batch ones as their mean over the ranks.
     figures: dict[str, torch.Tensor]
@@ -113,8 +114,9 @@ def optimizer_step(parts: TrainParts, micro_batches, grad_clip: float = 0.0,
     parts.scaler.unscale_(parts.optimizer)
     grad_norm = as_local_scalar(
         torch.nn.utils.clip_grad_norm_(parts.net.parameters(), grad_clip if grad_clip > 0 else math.inf))
+    finite_norm = torch.isfinite(grad_norm)
     # Under fp16 the GradScaler owns inf gradients: it skips the step and lowers its scale.
-    bad_grad = torch.zeros((), device=device) if parts.scaler.is_enabled() else (~torch.isfinite(grad_norm)).float()
+    bad_grad = torch.zeros((), device=device) if parts.scaler.is_enabled() else (~finite_norm).float()
     bad_loss = (~torch.isfinite(torch.stack(list(sums.values()))).all()).float()
     summed, asked = agree(sums, {"bad_loss": bad_loss, "bad_grad": bad_grad, "stop": requests.stop,
                                  "save": requests.save})
@@ -123,8 +125,10 @@ def optimizer_step(parts: TrainParts, micro_batches, grad_clip: float = 0.0,
         parts.scaler.step(parts.optimizer)
     parts.scaler.update()
     parts.optimizer.zero_grad(set_to_none=True)
-    # The global norm before clipping (every rank holds the same): how hard --grad_clip pulls.
-    figures = {"tokens": tokens, "grad_norm": grad_norm.double()}
+    # The global norm before clipping (every rank holds the same): how hard --grad_clip pulls. The
+    # inf norm of a step fp16's scaler skipped stays out of the log's mean.
+    figures = {"tokens": tokens, "grad_norm": torch.where(finite_norm, grad_norm, 0.0).double(),
+               "finite_norms": finite_norm.double()}
     for name, value in summed.items():  # per-micro-batch parts: each rank's mean -> the mean over ranks
         figures[name] = value.double() if AVERAGED[name] == PER_TOKEN else value.double() / parts.world_size
     return StepResult(figures, skipped, asked["stop"], asked["save"])
@@ -148,18 +152,14 @@ class StepTotals:
     host only when it logs, so that ordinary steps stay free of device-to-host reads."""
 
     def __init__(self, device):
-        # StepResult.figures and the count of finite gradient norms, in one vector: one host read
+        # StepResult.figures, in one vector: one host read
         self.names = ("tokens", "grad_norm", "finite_norms", *AVERAGED)
         self.window = torch.zeros(len(self.names), dtype=torch.float64, device=device)
         self.updates = 0
 
     def add(self, result: StepResult):
         if not result.skipped:  # a skipped step's NaN loss would hide the others' in the mean
-            # Under fp16 the GradScaler skips an overflowing step itself: its inf norm stays out of the mean.
-            norm = result.figures["grad_norm"]
-            finite = torch.isfinite(norm)
-            figures = {**result.figures, "grad_norm": torch.where(finite, norm, 0.0), "finite_norms": finite.double()}
-            self.window += torch.stack([figures[name] for name in self.names])
+            self.window += torch.stack([result.figures[name] for name in self.names])
             self.updates += 1
 
     def take_window(self) -> dict[str, float]:
