@@ -86,6 +86,36 @@ def test_each_group_follows_its_own_schedule_and_the_config_wins_on_resume():
     assert set_lr(fresh, new_cfg, 10, 100) == pytest.approx({"muon": 0.01, "decay": 1e-3, "no_decay": 1e-3})
 
 
+def test_a_resume_loads_the_optimizers_state_and_keeps_this_runs_hyperparameters(tmp_path):
+    """The saved param groups carry the saved run's weight decay, betas and Newton-Schulz steps;
+    the resume (ModelState, the trainer's loader) takes the moments and buffers from them, and the
+    values this run's config built the optimizer with, where a flag typed on resume put them."""
+    from trainer.train_state import ModelState
+
+    before = optim(optimizer="muon", weight_decay=0.3, adam_betas=(0.9, 0.95), muon_ns_steps=5)
+    model = tiny_model()
+    opt = build_optimizer(model, before)
+    ids = torch.randint(3, 512, (2, 16))
+    model(ids, labels=ids).loss.backward()
+    opt.step()
+    saved = ModelState(model, opt).state_dict()
+
+    after = optim(optimizer="muon", weight_decay=0.1, adam_betas=(0.8, 0.99), muon_ns_steps=3)
+    fresh_model = tiny_model()
+    fresh = build_optimizer(fresh_model, after)
+    ModelState(fresh_model, fresh).load_state_dict({"path": str(tmp_path / "saved.pth"), **saved})
+    groups = {g["name"]: g for g in fresh.param_groups}
+    assert (groups["decay"]["weight_decay"], groups["muon"]["weight_decay"], groups["no_decay"]["weight_decay"]) \
+        == (0.1, 0.1, 0.0)
+    assert groups["decay"]["betas"] == groups["no_decay"]["betas"] == (0.8, 0.99)
+    assert groups["muon"]["ns_steps"] == 3
+    names = {p: n for n, p in model.named_parameters()}
+    fresh_params = dict(fresh_model.named_parameters())
+    for p, state in opt.state.items():
+        for key, value in state.items():
+            assert torch.equal(fresh.state[fresh_params[names[p]]][key], value), f"{names[p]}: {key} not loaded"
+
+
 def test_wsd_and_cosine_hand_computed():
     """Peak 1, 100 steps, 10 of warmup. WSD with cooldown 0.2 and floor 0.1: warmup (step + 1) / 10,
     the peak to step 80, then linear: step 90 is half-way, 1 - 0.9 * 0.5 = 0.55; step 99 is
