@@ -42,8 +42,7 @@ def adam_betas(text: str) -> tuple[float, float]:
     except ValueError:
         betas = ()
     if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
-        raise argparse.ArgumentTypeError(f"expected auto or two numbers in [0, 1) as B1,B2 (e.g. 0.9,0.95), "
-                                         f"got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected two numbers in [0, 1) as B1,B2 (e.g. 0.9,0.95), got {text!r}")
     return betas
 
 

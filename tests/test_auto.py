@@ -21,8 +21,7 @@ def test_auto_for_a_new_run_and_for_a_resume():
 
     model = MiniMindConfig(hidden_size=256, num_hidden_layers=2)
     cfg = resolve_auto(TrainConfig.of(dtype="float32"), {}, torch.device("cpu"), False, model, 8 * 340)
-    assert (cfg.optim.optimizer, cfg.optim.lr_schedule, cfg.optim.normuon, cfg.optim.muon_lr) == \
-        ("muon", "wsd_sqrt", 1, 0.01)
+    assert (cfg.optim.optimizer, cfg.optim.lr_schedule, cfg.optim.normuon, cfg.optim.muon_lr) == ("muon", "wsd", 1, 0.01)
     assert cfg.optim.learning_rate == ADAMW_LR_BESIDE_MUON == 3e-3  # AdamW on the embedding and norms only
     adamw = resolve_auto(TrainConfig.of(dtype="float32", optimizer="adamw"), {"optimizer": "typed"},
                          torch.device("cpu"), False, model, 8 * 340)
@@ -39,9 +38,8 @@ def test_auto_for_a_new_run_and_for_a_resume():
     assert (kept.optim.lr_schedule, kept.optim.muon_lr) == ("cosine", 0.03)
 
 
-def test_the_betas_schedule_weight_decay_and_document_mask_follow_the_optimizer():
-    """auto: AdamW's beta1 0.8 beside Muon, wsd's 1 - sqrt cooldown, weight decay 0.3 and attention
-    within documents with Muon; betas 0.9,0.95, wsd's linear cooldown, torch's 0.01 and attention
+def test_weight_decay_and_the_document_mask_follow_the_optimizer():
+    """auto: weight decay 0.3 and attention within documents with Muon, torch's 0.01 and attention
     across the window for AdamW on everything, whichever way the optimizer was chosen; a typed or
     stored value stays."""
     from model.model_minimind import MiniMindConfig
@@ -49,17 +47,15 @@ def test_the_betas_schedule_weight_decay_and_document_mask_follow_the_optimizer(
     def resolved(model, tokens, origin=None, **flags):
         cfg = resolve_auto(TrainConfig.of(dtype="float32", **flags), origin or {}, torch.device("cpu"), False, model,
                            tokens)
-        return cfg.optim.optimizer, cfg.optim.adam_betas, cfg.optim.lr_schedule, cfg.optim.weight_decay, cfg.data.doc_mask
+        return cfg.optim.optimizer, cfg.optim.weight_decay, cfg.data.doc_mask
 
     small = MiniMindConfig(hidden_size=256, num_hidden_layers=2)
     wide = MiniMindConfig(hidden_size=768, num_hidden_layers=2)
-    assert resolved(small, 8 * 340) == ("muon", (0.8, 0.95), "wsd_sqrt", 0.3, 1)
-    assert resolved(small, 8 * 340, {"optimizer": "typed"}, optimizer="adamw") == ("adamw", (0.9, 0.95), "wsd", 0.01, 0)
-    # auto took AdamW: Newton-Schulz would cost too much
-    assert resolved(wide, 64) == ("adamw", (0.9, 0.95), "wsd", 0.01, 0)
-    typed = {"weight_decay": "typed", "doc_mask": "stored", "adam_betas": "typed", "lr_schedule": "stored"}
-    assert resolved(small, 8 * 340, typed, weight_decay=0.05, doc_mask=0, adam_betas=(0.9, 0.99),
-                    lr_schedule="wsd") == ("muon", (0.9, 0.99), "wsd", 0.05, 0)
+    assert resolved(small, 8 * 340) == ("muon", 0.3, 1)
+    assert resolved(small, 8 * 340, {"optimizer": "typed"}, optimizer="adamw") == ("adamw", 0.01, 0)
+    assert resolved(wide, 64) == ("adamw", 0.01, 0)  # auto took AdamW: Newton-Schulz would cost too much
+    assert resolved(small, 8 * 340, {"weight_decay": "typed", "doc_mask": "stored"}, weight_decay=0.05,
+                    doc_mask=0) == ("muon", 0.05, 0)
 
 
 @pytest.mark.parametrize("hidden_size, muon_lr", [(64, 0.01), (256, 0.01), (384, 0.015), (512, 0.02), (640, 0.02),

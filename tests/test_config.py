@@ -66,16 +66,13 @@ def test_the_resume_rule_stored_values_typed_flags_and_fixed_ones():
 def test_a_record_of_an_earlier_version_names_its_optimizer_and_schedule():
     record = {"global_step": 4, "optimizer": "muon", "lr_schedule": "cosine", "normuon": 0, "muon_lr": 0.02}
     assert legacy_record(record) == {"optim": {"optimizer": "muon", "lr_schedule": "cosine", "normuon": 0,
-                                               "muon_lr": 0.02, "muon_ns_steps": 5, "muon_momentum": 0.95,
-                                               "adam_betas": (0.9, 0.95)}}
+                                               "muon_lr": 0.02, "muon_ns_steps": 5}}
     assert legacy_record({"global_step": 4}) == {}
     whole = TrainConfig().record()
     assert legacy_record({"config": whole}) is whole
-    # A whole config stored before --muon_ns_steps and --muon_momentum existed: its run took
-    # torch.optim.Muon's 5 steps and momentum 0.95, whatever the defaults are now.
-    before = {**whole, "optim": {k: v for k, v in whole["optim"].items() if k not in ("muon_ns_steps", "muon_momentum")}}
-    assert whole["optim"]["muon_momentum"] != 0.95
-    assert legacy_record({"config": before})["optim"] == {**whole["optim"], "muon_ns_steps": 5, "muon_momentum": 0.95}
+    # A whole config stored before --muon_ns_steps existed: its run took torch.optim.Muon's 5 steps.
+    before = {**whole, "optim": {k: v for k, v in whole["optim"].items() if k != "muon_ns_steps"}}
+    assert legacy_record({"config": before})["optim"] == {**whole["optim"], "muon_ns_steps": 5}
 
 
 # ---------------------------------------------------------------------------- the resolved config in a run
@@ -93,7 +90,7 @@ def test_wandb_records_the_resolved_config_and_the_accumulation_global_batch_siz
     assert result.returncode == 0, result.stdout[-3000:]
     config = seen["config"]
     assert (config["accumulation_steps"], config["optimizer"], config["dtype"], config["lr_schedule"]) == \
-        (2, "muon", "float32", "wsd_sqrt")
+        (2, "muon", "float32", "wsd")
 
 
 def test_the_trainer_logs_what_optimizer_auto_chose_and_why_in_one_line(tmp_path):
@@ -135,8 +132,8 @@ def test_a_resume_with_fewer_tokens_per_step_keeps_muon(tmp_path):
 
 @pytest.mark.parametrize("record", ["whole", "earlier_version"])
 def test_a_resume_with_only_from_resume_trains_on_as_the_run_started(tmp_path, record):
-    """A run started with flags other than the defaults (the cosine, plain Muon, Muon at 0.02 with
-    momentum 0.95, AdamW's betas 0.9,0.95, another warmup, decay and floor) resumes with `--from_resume 1` and none of them: bitwise the run it
+    """A run started with flags other than the defaults (the cosine, plain Muon, Muon at 0.02,
+    another warmup, decay and floor) resumes with `--from_resume 1` and none of them: bitwise the run it
     would have been uninterrupted. Its record holds the whole config; a record of the version
     before, which named only the optimizer, schedule, NorMuon and Muon's lr, resumes the same when
     the rest is typed again. A flag the checkpoint contradicts stops in one line."""
@@ -144,9 +141,6 @@ def test_a_resume_with_only_from_resume_trains_on_as_the_run_started(tmp_path, r
     base = [*TINY, "--save_interval", "3", "--max_steps", "6"]
     recipe = ["--lr_schedule", "cosine", "--normuon", "0", "--muon_lr", "0.02"]
     others = ["--warmup_steps", "2", "--weight_decay", "0.05", "--min_lr_frac", "0.2"]
-    # as that version trained, whatever today's defaults: torch.optim.Muon's momentum and AdamW's
-    # betas 0.9,0.95, never typed again
-    recipe += ["--muon_momentum", "0.95", "--adam_betas", "0.9,0.95"]
     whole = run_trainer([*base, *recipe, *others, *out_args(tmp_path / "whole")], tmp_path / "whole")
     first = run_trainer([*base, *recipe, *others, "--max_steps", "3", *out_args(tmp_path / "cut")], tmp_path / "cut")
     assert whole.returncode == 0 and first.returncode == 0, first.stdout[-3000:]

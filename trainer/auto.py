@@ -3,7 +3,7 @@
     --dtype        the machine's native precision (resolve_dtype)
     --optimizer    Muon where its step costs at most MUON_STEP_BOUND AdamW steps (resolve_optimizer)
     --muon_ns_steps  torch.optim.Muon's 5 Newton-Schulz steps, or 3 where 5 cost too much (resolve_ns_steps)
-    --lr_schedule, --normuon, --muon_lr, --learning_rate, --adam_betas, --weight_decay, --doc_mask
+    --lr_schedule, --normuon, --muon_lr, --learning_rate, --weight_decay, --doc_mask
                    a new run's recipe at its width, for its optimizer (fresh_recipe, LR tables)
 
 The hardware facts come in as arguments (resolve_*) or are read from this machine (detect_*,
@@ -21,7 +21,7 @@ from trainer.metrics import muon_flop_share
 from trainer.optim import NS_STEPS
 
 AUTO_FLAGS = ("dtype", "optimizer", "muon_ns_steps", "lr_schedule", "normuon", "muon_lr", "learning_rate",
-              "adam_betas", "weight_decay", "doc_mask")
+              "weight_decay", "doc_mask")
 
 
 # ---------------------------------------------------------------------------- the machine's choices
@@ -143,12 +143,6 @@ ADAMW_LR_BESIDE_MUON = 3e-3
 # everything keeps torch's 0.01 and attention across the window, with which its lrs were measured.
 WEIGHT_DECAY = {"muon": 0.3, "adamw": 0.01}
 DOC_MASK = {"muon": 1, "adamw": 0}
-# With Muon (and its momentum 0.9, --muon_momentum), beta1 0.8 for the AdamW beside it and wsd's
-# cooldown falling as 1 - sqrt: alone each ended within the seeds' spread, together 0.022 bits per
-# byte lower in distribution and 0.039 out of it (3 seeds at 256 x 4), and lower at 512 x 8.
-# Measured with Muon only: AdamW on everything keeps the betas and schedule its lrs were measured with.
-ADAM_BETAS = {"muon": (0.8, 0.95), "adamw": (0.9, 0.95)}
-LR_SCHEDULE = {"muon": "wsd_sqrt", "adamw": "wsd"}
 
 
 def lr_by_width(points, hidden_size: int) -> float:
@@ -159,13 +153,12 @@ def lr_by_width(points, hidden_size: int) -> float:
 
 
 def fresh_recipe(hidden_size: int, optimizer: str) -> dict:
-    """A new run's schedule, NorMuon, peak lrs, AdamW's betas, weight decay and document mask under
-    auto for its (resolved) optimizer: what beat the older defaults over 3 seeds
-    (docs/time-to-quality.md), with the lrs by width."""
+    """A new run's schedule, NorMuon, peak lrs, weight decay and document mask under auto for its
+    (resolved) optimizer: what beat the older defaults over 3 seeds (docs/time-to-quality.md), with
+    the lrs by width."""
     adamw_lr = ADAMW_LR_BESIDE_MUON if optimizer == "muon" else lr_by_width(ADAMW_LR_BY_WIDTH, hidden_size)
-    return {"lr_schedule": LR_SCHEDULE[optimizer], "normuon": 1, "muon_lr": lr_by_width(MUON_LR_BY_WIDTH, hidden_size),
-            "learning_rate": adamw_lr, "adam_betas": ADAM_BETAS[optimizer], "weight_decay": WEIGHT_DECAY[optimizer],
-            "doc_mask": DOC_MASK[optimizer]}
+    return {"lr_schedule": "wsd", "normuon": 1, "muon_lr": lr_by_width(MUON_LR_BY_WIDTH, hidden_size),
+            "learning_rate": adamw_lr, "weight_decay": WEIGHT_DECAY[optimizer], "doc_mask": DOC_MASK[optimizer]}
 
 
 def resolve_auto(cfg, origin: dict, device, sharded: bool, lm_config, tokens_per_step: int):
@@ -189,10 +182,9 @@ def resolve_auto(cfg, origin: dict, device, sharded: bool, lm_config, tokens_per
     trains = "the embedding and norms beside Muon" if optimizer == "muon" else "everything"
     # The rules that depend on the optimizer say which case applies.
     by_optimizer = "with Muon" if optimizer == "muon" else "for AdamW on everything"
-    whose = {"learning_rate": f"AdamW on {trains}", "adam_betas": f"AdamW on {trains}", "lr_schedule": by_optimizer,
-             "weight_decay": by_optimizer, "doc_mask": by_optimizer}
+    whose = {"learning_rate": f"AdamW on {trains}", "weight_decay": by_optimizer, "doc_mask": by_optimizer}
     flags = cfg.flags()
-    for name in ("lr_schedule", "normuon", "muon_lr", "learning_rate", "adam_betas", "weight_decay", "doc_mask"):
+    for name in ("lr_schedule", "normuon", "muon_lr", "learning_rate", "weight_decay", "doc_mask"):
         values[name] = flags[name]
         if values[name] == "auto":
             values[name] = fresh[name]

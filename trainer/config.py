@@ -11,8 +11,8 @@ nowhere else. A stage changes defaults through one table (train_full_sft.py's SF
     system   device, precision, parallelism, profiling                  this launch's
     chat     fine-tuning's conversation flags (train_full_sft.py only)  the run's
 
-Ten flags may be `auto` (--dtype, --optimizer, --muon_ns_steps, --lr_schedule, --normuon,
---muon_lr, --learning_rate, --adam_betas, --weight_decay, --doc_mask). They are decided once at start-up
+Nine flags may be `auto` (--dtype, --optimizer, --muon_ns_steps, --lr_schedule, --normuon,
+--muon_lr, --learning_rate, --weight_decay, --doc_mask). They are decided once at start-up
 (trainer/auto.py's resolve_auto, which marks the config `resolved`), each logged with its reason,
 and the resolved config is stored whole in every checkpoint's record (trainer/checkpoint.py). The checks
 (check_config) run on that final config: the one a resume merged and auto resolved, the one the
@@ -34,9 +34,9 @@ from common.errors import UserError
 from dataset.demo_corpus import DEMO_CORPUS
 from model.model_minimind import SHAPE_FIELDS
 from model.shape_flags import flag_default
-from trainer.auto import (ADAM_BETAS, ADAMW_LR_BESIDE_MUON, ADAMW_LR_BY_WIDTH, FEWER_NS_STEPS, LR_SCHEDULE,
-                          MUON_LR_BY_WIDTH, MUON_STEP_BOUND, WEIGHT_DECAY)
-from trainer.optim import MUON_MOMENTUM, NS_STEPS
+from trainer.auto import (ADAMW_LR_BESIDE_MUON, ADAMW_LR_BY_WIDTH, FEWER_NS_STEPS, MUON_LR_BY_WIDTH, MUON_STEP_BOUND,
+                          WEIGHT_DECAY)
+from trainer.optim import NS_STEPS
 from trainer.schedule import SCHEDULES
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -95,11 +95,9 @@ class OptimConfig:
     warmup_steps: int = flag(10, "linear warmup to each group's peak, then --lr_schedule (MiniMind: 0)",
                              check=at_least(0))
     lr_schedule: str = flag("auto", "after the warmup: cosine decay to the floor at the last step (MiniMind's); wsd: "
-                            "the peak until the last --cooldown_frac of the run, then linear to the floor; wsd_sqrt: "
-                            "wsd with a cooldown of 1 - sqrt(its progress), which falls fastest as it begins; auto: "
-                            f"{LR_SCHEDULE['muon']} with Muon, {LR_SCHEDULE['adamw']} for AdamW on everything",
+                            "the peak until the last --cooldown_frac of the run, then linear to the floor; auto: wsd",
                             choices=("auto", *SCHEDULES))
-    cooldown_frac: float = flag(0.2, "wsd, wsd_sqrt: the share of the run their cooldown to the floor takes",
+    cooldown_frac: float = flag(0.2, "wsd: the share of the run its linear cooldown to the floor takes",
                                 check=share("the share of the run the wsd cooldown takes, e.g. 0.2"))
     min_lr_frac: float = flag(0.1, "the floor of either schedule, a share of each group's peak lr",
                               check=share("the lr floor as a share of each peak, e.g. 0.1"))
@@ -120,11 +118,6 @@ class OptimConfig:
         f"{FEWER_NS_STEPS} where {NS_STEPS} would add more than {MUON_STEP_BOUND - 1:.0%}% to a step's FLOPs "
         "(docs/performance.md)",
         type=auto_or(int), check=number_from(1, "Newton-Schulz iterations per Muon step, e.g. 5"))
-    muon_momentum: float = flag(
-        0.9, f"Muon's (Nesterov) momentum (torch.optim.Muon's: {MUON_MOMENTUM}); 0.9, measured with the auto "
-        "--adam_betas and --lr_schedule, reached MiniMind's loss sooner and ended lower on both held-out sets "
-        "(docs/time-to-quality.md)",
-        check=share("Muon's momentum, e.g. 0.9", one=False))
     param_groups: str = flag("split", "split: no weight decay on norms and other 1-D params; single: MiniMind's "
                              "one AdamW group", choices=("split", "single"))
     grad_clip: float = flag(1.0, "clip the global gradient norm (0 or less: off); the log's grad_norm is that "
@@ -135,10 +128,8 @@ class OptimConfig:
         "auto", f"decoupled weight decay (AdamW and Muon); auto: {WEIGHT_DECAY['muon']} with Muon, "
         f"{WEIGHT_DECAY['adamw']} (torch's and MiniMind's) for AdamW on everything (docs/time-to-quality.md)",
         type=auto_or(float), check=number_from(0, "AdamW's decoupled weight decay, e.g. 0.01"))
-    adam_betas: tuple | Literal["auto"] = flag(
-        "auto", f"AdamW's beta1,beta2 (MiniMind, torch's default: 0.9,0.999); auto: "
-        f"{','.join(map(str, ADAM_BETAS['muon']))} beside Muon, {','.join(map(str, ADAM_BETAS['adamw']))} for "
-        "AdamW on everything", type=auto_or(adam_betas))
+    adam_betas: tuple = flag((0.9, 0.95), "AdamW's beta1,beta2 (MiniMind, torch's default: 0.9,0.999)",
+                             type=adam_betas)
     seed: int = flag(42, "initial weights, sample order, per-rank generators",
                      check=lambda v: at_least(0)(v) or (None if v < 2 ** 31 else
                                                         f"must be below 2**31 (numpy seeds are 32-bit), got {v}"))

@@ -42,7 +42,7 @@ NS_STEPS = 5
 EPS = 1e-7
 NORMUON_BETA2 = 0.95
 NORMUON_EPS = 1e-10  # added to v (about 1 / max(rows, cols)): keeps an all-zero row's root finite
-MUON_MOMENTUM = 0.95  # torch.optim.Muon's; --muon_momentum's default is the config's
+MUON_MOMENTUM = 0.95
 
 
 # ---------------------------------------------------------------------------- groups and optimizers
@@ -98,7 +98,7 @@ def build_optimizer(model, optim, ns_dtype: torch.dtype = torch.float32, compile
     muon_groups = [g for g in groups if g["name"] == "muon"]
     if muon_groups:
         optimizers.append(Muon(muon_groups, lr=optim.muon_lr, weight_decay=optim.weight_decay, ns_dtype=ns_dtype,
-                               momentum=optim.muon_momentum, ns_steps=optim.muon_ns_steps, process_group=replica_group,
+                               ns_steps=optim.muon_ns_steps, process_group=replica_group,
                                compile_update=compile_update, normuon=bool(optim.normuon)))
     return optimizers
 
@@ -109,7 +109,7 @@ def describe(optimizer: Optimizers, optim) -> str:
     for opt in optimizer:
         for g in opt.param_groups:
             n = sum(p.numel() for p in g["params"])
-            steps = f", momentum {g['momentum']:g}, {g['ns_steps']} Newton-Schulz steps" if "ns_steps" in g else ""
+            steps = f", {g['ns_steps']} Newton-Schulz steps" if "ns_steps" in g else ""
             parts.append(f"{g['name']} ({type(opt).__name__}, {n / 1e6:.2f}M params, lr "
                          f"{peak_lr(g['name'], optim):.1e}, wd {g['weight_decay']:g}{steps})")
     if optim.optimizer == "muon" and optim.normuon:

@@ -6,7 +6,7 @@ this command line's: they say where the checkpoint lies and what machine the run
 """
 from common.errors import UserError
 from trainer.config import FIXED, GROUP_OF, LAUNCH_GROUPS, TrainConfig
-from trainer.optim import MUON_MOMENTUM, NS_STEPS
+from trainer.optim import NS_STEPS
 
 
 def resume_config(cfg: TrainConfig, typed: frozenset, stored: dict, source: str = "the checkpoint") -> tuple:
@@ -40,15 +40,13 @@ def resume_config(cfg: TrainConfig, typed: frozenset, stored: dict, source: str 
 def legacy_record(record: dict) -> dict:
     """The stored config of a checkpoint record: a whole config, or what an earlier version's
     record named of the run (its optimizer, schedule, NorMuon and Muon lr). A record written
-    before a flag existed trained with what the version had no flag for: torch.optim.Muon's 5
-    Newton-Schulz steps and momentum 0.95, and AdamW's betas 0.9,0.95."""
+    before --muon_ns_steps trained with torch.optim.Muon's 5 Newton-Schulz steps."""
     if isinstance(record.get("config"), dict):
         stored = record["config"]
     else:
         recorded = {k: record[k] for k in ("optimizer", "lr_schedule", "normuon", "muon_lr") if k in record}
         stored = {"optim": recorded} if recorded else {}
     optim = stored.get("optim")
-    unflagged = {"muon_ns_steps": NS_STEPS, "muon_momentum": MUON_MOMENTUM, "adam_betas": (0.9, 0.95)}
-    if optim and not unflagged.keys() <= optim.keys():
-        stored = {**stored, "optim": {**unflagged, **optim}}
+    if optim and "muon_ns_steps" not in optim:
+        stored = {**stored, "optim": {**optim, "muon_ns_steps": NS_STEPS}}
     return stored

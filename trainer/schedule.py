@@ -22,10 +22,9 @@ def cosine_lr(current_step: int, total_steps: int, lr: float, warmup_steps: int 
 
 
 def wsd_lr(current_step: int, total_steps: int, lr: float, warmup_steps: int = 0, cooldown_frac: float = 0.2,
-           min_lr_frac: float = 0.1, shape=lambda progress: progress) -> float:
+           min_lr_frac: float = 0.1) -> float:
     """Warmup-stable-decay: cosine_lr's warmup, then `lr` itself until the last `cooldown_frac` of
-    the run (never before the warmup ends), then down to `min_lr_frac * lr` at `total_steps`: by
-    `shape` of the cooldown's progress (0 to 1), linear by default."""
+    the run (never before the warmup ends), then linear to `min_lr_frac * lr` at `total_steps`."""
     if current_step < warmup_steps:
         return lr * (current_step + 1) / warmup_steps
     cooldown_start = max(warmup_steps, total_steps * (1 - cooldown_frac))
@@ -33,7 +32,7 @@ def wsd_lr(current_step: int, total_steps: int, lr: float, warmup_steps: int = 0
         return lr
     span = total_steps - cooldown_start  # > 0 at every step of the run (step < total_steps)
     progress = min(1.0, (current_step - cooldown_start) / span) if span > 0 else 1.0
-    return lr * (1 - (1 - min_lr_frac) * shape(progress))
+    return lr * (1 - (1 - min_lr_frac) * progress)
 
 
 # --lr_schedule's name -> (step, total_steps, peak lr, the config's optim group) -> lr
@@ -41,9 +40,6 @@ SCHEDULES = {
     "cosine": lambda step, total, lr, optim: cosine_lr(step, total, lr, optim.warmup_steps, optim.min_lr_frac),
     "wsd": lambda step, total, lr, optim: wsd_lr(step, total, lr, optim.warmup_steps, optim.cooldown_frac,
                                                  optim.min_lr_frac),
-    # wsd with the 1 - sqrt cooldown (Hägele et al., 2024): it falls fastest as it begins
-    "wsd_sqrt": lambda step, total, lr, optim: wsd_lr(step, total, lr, optim.warmup_steps, optim.cooldown_frac,
-                                                      optim.min_lr_frac, shape=math.sqrt),
 }
 
 

@@ -29,9 +29,9 @@ SFT_DEFAULTS = {
     "save_weight": "full_sft", "from_weight": "pretrain", "data_path": str(DEMO_SFT),
     "wandb_project": "MiniMind-Full-SFT", "epochs": 2, "batch_size": 16, "max_seq_len": 768,
     "learning_rate": 3e-4, "muon_lr": 2e-3,
-    # The schedule, plain Muon and the momentum and betas that the lr sweep of docs/sft.md measured
-    # (MiniMind's cosine); the pre-training defaults were chosen on pre-training.
-    "lr_schedule": "cosine", "normuon": 0, "weight_decay": 0.01, "muon_momentum": 0.95, "adam_betas": (0.9, 0.95),
+    # The schedule and plain Muon that the lr sweep of docs/sft.md measured (MiniMind's cosine); the
+    # pre-training defaults were chosen on pre-training.
+    "lr_schedule": "cosine", "normuon": 0, "weight_decay": 0.01,
     "doc_mask": 1,  # packed windows hold several conversations: each attends to itself only, whatever the optimizer
 }
 
@@ -40,8 +40,6 @@ SFT_HELP = {
                  "that scripts/prepare_data.py --sft makes of one (packed)",
     "val_data_path": "held-out conversations (.jsonl or .bin)",
     "learning_rate": "AdamW's peak lr (MiniMind's SFT: 1e-5, for AdamW on everything)",
-    "muon_momentum": "Muon's (Nesterov) momentum: torch.optim.Muon's, the one the lr sweep of docs/sft.md ran with",
-    "adam_betas": "AdamW's beta1,beta2: the lr sweep of docs/sft.md's (MiniMind, torch's default: 0.9,0.999)",
     "doc_mask": "packed data: each conversation attends to itself only (FlexAttention on A100/H100/B200, a dense "
                 "mask elsewhere)",
     "eval_task": "a multiple-choice task (.jsonl, as dataset/tasks/ holds), its questions asked as chat turns, "
