@@ -171,8 +171,8 @@ class ModelState:
         """From a .pth (in rank 0's memory only: rank 0 broadcasts it tensor by tensor and every
         rank keeps its part, so no other rank reads the file, which may not even exist on its
         node), or from the .dcp folder at saved["path"] in whatever sharding it was saved.
-        Only the optimizer's state loads: its param groups keep the hyperparameters this run's
-        config built them with (the stored values, or a flag typed on resume), over the saved ones."""
+        The optimizer's moments and buffers load, but its param groups keep the hyperparameters
+        this run's config built them with (the stored values, or a flag typed on resume)."""
         built = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
         self._load(saved)
         for group, hyperparameters in zip(self.optimizer.param_groups, built):
