@@ -2,6 +2,7 @@
 training time only (validation and checkpoint saves left out)."""
 import json
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from tests.support.helpers_data import SAMPLE_TEXTS
 from tests.support.jobs import run_trainer
 from trainer import loop
 from trainer.checkpoint import CheckpointManager
-from trainer.metrics import Throughput, device_peak_flops, peak_bf16_tflops
+from trainer.metrics import RunLogger, Throughput, device_peak_flops, peak_bf16_tflops
 
 # torch.cuda.get_device_name() strings, as the drivers report them.
 NAMES = [
@@ -105,3 +106,45 @@ def test_trainer_rates_exclude_validation_and_checkpoint_time(tmp_path, monkeypa
     assert all(rate > 128 / 60 for rate in rates), rates
     # The same clock gives the validations' train_s, the x axis of time-to-loss plots.
     assert all(r["train_s"] < 60 for r in rows if r["kind"] == "val"), rows
+
+
+@pytest.mark.parametrize("from_resume,global_step,tokens_seen,steps_kept", [
+    (1, 4, 800, [1, 2, 3, 4, 5, 5, 6, 7, 8, 8]),  # 1 process's step 8 resumed as 2 processes' step 4: none redone
+    (1, 5, 500, [1, 2, 3, 4, 5, 5]),  # a resume at the same world size from step 5: steps 6 to 8 are redone
+    (0, 0, 0, []),  # a fresh run starts its own file
+])
+def test_a_resume_keeps_the_metrics_rows_its_checkpoint_trained_past(tmp_path, from_resume, global_step, tokens_seen,
+                                                                      steps_kept):
+    """The rows kept are those up to the checkpoint's tokens trained, whatever the step numbers
+    of the resumed run: a resume on twice the world size renumbers step 8 as step 4."""
+    path = tmp_path / "run_metrics.jsonl"
+    rows = [{"kind": "train", "step": step, "tokens_seen": 100 * step} for step in range(1, 9)]
+    rows.insert(8, {"kind": "val", "step": 8, "tokens_seen": 800})
+    rows.insert(5, {"kind": "val", "step": 5, "tokens_seen": 500})
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    state = SimpleNamespace(plan=SimpleNamespace(total_steps=10, epochs=1), global_step=global_step,
+                            tokens_seen=tokens_seen, wandb_run_id=None)
+    output = SimpleNamespace(save_dir=str(tmp_path), from_resume=from_resume, use_wandb=0)
+    RunLogger(str(path), output, "run", state, {}, enabled=True, clock=None)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == steps_kept
+
+
+def test_rows_below_wandb_s_last_step_go_at_its_next_step_not_into_the_void(tmp_path):
+    """wandb drops a row logged at a step below its last; after a resume on more processes the
+    steps restart lower, so those rows are logged at wandb's own next step instead."""
+    class FakeWandb:
+        def __init__(self, step):
+            self.step, self.calls = step, []
+
+        def log(self, values, step=None):
+            self.calls.append((values["step"], step))
+            self.step = max(self.step, step if step is not None else self.step + 1)
+
+    state = SimpleNamespace(plan=SimpleNamespace(total_steps=300, epochs=1), global_step=100, tokens_seen=0,
+                            wandb_run_id=None)
+    output = SimpleNamespace(save_dir=str(tmp_path), from_resume=1, use_wandb=0)
+    logger = RunLogger(str(tmp_path / "m.jsonl"), output, "run", state, {}, enabled=True, clock=None)
+    logger.wandb = FakeWandb(step=201)  # the run logged up to step 200 on 1 process
+    for step in (110, 120, 250):
+        logger.log({"kind": "train", "step": step}, f"step {step}")
+    assert logger.wandb.calls == [(110, None), (120, None), (250, 250)]

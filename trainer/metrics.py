@@ -136,18 +136,20 @@ class RunLogger:
             return
         os.makedirs(output.save_dir, exist_ok=True)
         self.path = path
-        self._truncate_after(start_step if output.from_resume else -1)
+        self._truncate_after(state.tokens_seen if output.from_resume else -1)
         self.bar = tqdm(total=self.total_steps, initial=start_step, desc="train", dynamic_ncols=True,
                         disable=not sys.stderr.isatty())
         if output.use_wandb:
             self._start_wandb(output.wandb_project, prefix, output.save_dir, config)
 
-    def _truncate_after(self, step: int):
-        """Drop rows a resumed run will redo (all rows for a fresh run)."""
+    def _truncate_after(self, tokens_seen: int):
+        """Drop the rows a resumed run will redo, those past the checkpoint's tokens trained (all
+        rows for a fresh run: -1). Tokens, not steps: a resume on another world size renumbers
+        the steps, and the rows before it keep the numbers they were logged with."""
         kept = []
-        if step >= 0 and os.path.exists(self.path):
+        if tokens_seen >= 0 and os.path.exists(self.path):
             with open(self.path) as f:
-                kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+                kept = [line for line in f if line.strip() and json.loads(line).get("tokens_seen", 0) <= tokens_seen]
         try:
             atomic_write_text(self.path, "".join(kept), "the metrics")
         except StorageError as exc:
@@ -188,7 +190,11 @@ class RunLogger:
             except StorageError as exc:
                 self._lose_metrics(exc)
         if self.wandb is not None:
-            self.wandb.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=row["step"])
+            # wandb drops a row logged at a step below its last. A resume on more processes renumbers
+            # the steps lower (2 processes' step 100 is 1 process's 200): until they pass wandb's own
+            # count again, rows go at wandb's next step, each with its "step" among its values.
+            step = row["step"] if row["step"] >= self.wandb.step else None
+            self.wandb.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=step)
 
     def log_train(self, step: int, epoch: int, window: dict, lrs: dict, tokens_seen: int,
                   tok_s: float, real_tok_s: float, mfu: float | None):
