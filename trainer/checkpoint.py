@@ -1,6 +1,7 @@
 """Resume checkpoints that survive kills, full disks and corrupt files: how a checkpoint is
-written, verified and chosen, and where it lies. What goes into one is each part's own
-(trainer/train_state.py: every stateful part saves, loads and names its entries itself).
+written, rotated and chosen (its name, the order of the checkpoints and its verification are
+trainer/checkpoint_files.py's). What goes into one is each part's own (trainer/train_state.py:
+every stateful part saves, loads and names its entries itself).
 
 A checkpoint is one dict: {"format": FORMAT, "model_config": ...} plus what each part of the run
 adds ("model", "optimizer", "scaler", "rng", and the TrainState's "global_step", "tokens_seen",
@@ -11,6 +12,9 @@ adds ("model", "optimizer", "scaler", "rng", and the TrainState's "global_step",
     pretrain_768_resume_step0001200.pth.json   its record: step, tokens trained, world size, the run's
                                                resolved config, and each file's size and sha256
     pretrain_768_resume.pth -> ..._step0001200.pth   symlink to the newest, swapped atomically
+    pretrain_768_resume_step0001200_2.pth      a later save at a step of the same number (a resume on
+                                               another world size renumbers the steps; a redone step):
+                                               it replaces the first only once it is whole
 
 FSDP runs write `..._step0001200.dcp/` instead (and point `..._resume.dcp` at it): a
 torch.distributed.checkpoint folder of the model's and optimizer's shards (each rank writes
@@ -22,30 +26,30 @@ visible once it and its record are whole, so a kill at any moment leaves the ear
 the new one (tests/resume/test_checkpoint_safety.py kills a save at each of its steps). A save that fails (a full disk, EIO) removes what
 it wrote, leaves the earlier checkpoints and the link as they were, and stops every rank with
 the same one line. At start-up rank 0 removes what a killed save left behind and warns when
-the disk cannot hold --keep_last more checkpoints. Newest means most tokens trained: step
+the disk cannot hold --keep_last more checkpoints. Newest means the latest run's (a fresh
+run in a folder holding an earlier run's checkpoints comes first), then most tokens trained: step
 numbers are not comparable across world sizes.
 
 Only rank 0 writes a .pth and only rank 0 reads it back (and broadcasts it), so with DDP the
 checkpoint directory may be a disk of node 0's own.
 """
 import glob
-import hashlib
 import json
 import os
 import re
 
-import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from common.errors import StorageError, UserError, free_bytes, os_error_of, size_text, storage_error
 from common.storage import atomic_torch_save, atomic_write_text, remove_quietly
 from model.model_minimind import SHAPE_FIELDS
+from trainer.checkpoint_files import (
+    FORMAT, STEP_NAME, TRAINER_STATE, file_records, latest_path, list_checkpoints, orphan_records, other_shapes,
+    record_of, run_number, size_on_disk, step_path, verify_checkpoint,
+)
 from trainer.distributed import TORCH_COLLECTIVES, Logger
-from trainer.train_state import ModelState
 
-FORMAT = "minimind-resume-v1"
-TRAINER_STATE = "trainer_state.pt"
 # What a failed save's line says to do, besides freeing space.
 AFTER_A_FAILED_SAVE = dict(elsewhere="lower --keep_last or pass another --checkpoint_dir",
                            then=", then relaunch with --from_resume 1: the checkpoints before this one are intact")
@@ -86,7 +90,7 @@ class CheckpointManager:
             if set(entries) & set(state):
                 raise ValueError(f"checkpoint parts both write {sorted(set(entries) & set(state))}")
             state.update(entries)
-        path = step_path(self.folder, self.prefix, global_step, self.sharded)
+        path = self.collectives.broadcast(self._free_path(global_step) if self.collectives.rank == 0 else None)
         shards = self.model_state.state_dict()
         problem = self._write_shards(path, shards) if self.sharded else None
         if problem is None and self.collectives.rank == 0:
@@ -95,6 +99,18 @@ class CheckpointManager:
         if problem:
             raise StorageError(problem)
         return path
+
+    def _free_path(self, global_step: int) -> str:
+        """Rank 0's name for a save at `global_step`: step_path, or, where checkpoints (or records)
+        of that step number are already here, the copy numbered after the last of them. A resume on
+        another world size re-expresses the step (1 process's step 200 resumes as 2 processes'
+        step 100, whose next save is step 200 again), and a save never touches the checkpoints
+        before it: the rotation replaces them once the new one is whole."""
+        first = step_path(self.folder, self.prefix, global_step, self.sharded)
+        names = glob.glob(f"{glob.escape(os.path.splitext(first)[0])}*")
+        found = [re.search(STEP_NAME, name.removesuffix(".json")) for name in names]
+        copies = [int(m.group(2) or 1) for m in found if m and int(m.group(1)) == global_step]
+        return step_path(self.folder, self.prefix, global_step, self.sharded, max(copies, default=0) + 1)
 
     def _write_shards(self, path: str, shards: dict) -> str | None:
         """Every rank writes its shards into `path`.tmp (DCP tells every rank if any failed)."""
@@ -121,12 +137,10 @@ class CheckpointManager:
         staged = f"{path}.tmp"
         try:
             os.makedirs(self.folder, exist_ok=True)
-            remove_quietly(f"{path}.json")  # the same step saved before (a resume redoing it): unrecord it first
-            remove_quietly(path)
             if weights_state is None:  # a .dcp folder: its shards are in place
                 atomic_torch_save(state, os.path.join(staged, TRAINER_STATE), "the checkpoint",
                                   **AFTER_A_FAILED_SAVE)
-                files = _file_records(staged)  # every rank wrote shards through DCP's own writer
+                files = file_records(staged)  # every rank wrote shards through DCP's own writer
             else:
                 written = atomic_torch_save(dict(state, **weights_state), path, "the checkpoint", publish=False,
                                             **AFTER_A_FAILED_SAVE)  # at `staged` until its record is written
@@ -145,10 +159,17 @@ class CheckpointManager:
             if isinstance(exc, StorageError):
                 return str(exc)
             return str(storage_error(exc, "the checkpoint", path, **AFTER_A_FAILED_SAVE))
-        for old in list_checkpoints(self.folder, self.prefix)[max(1, self.keep_last):]:
+        self._rotate(path)
+        return None
+
+    def _rotate(self, path: str):
+        """Once `path` is whole: remove the checkpoints it takes the place of (earlier saves at a
+        step of the same number), then all but the newest --keep_last."""
+        step, copy = re.search(STEP_NAME, path).group(1, 2)
+        replaced = [step_path(self.folder, self.prefix, int(step), self.sharded, c) for c in range(1, int(copy or 1))]
+        for old in replaced + list_checkpoints(self.folder, self.prefix)[max(1, self.keep_last):]:
             remove_quietly(f"{old}.json")  # unrecord first: a kill in between leaves an ignored leftover
             remove_quietly(old)
-        return None
 
     # ------------------------------------------------------------------ start-up
     def tidy(self, estimated_bytes: int):
@@ -165,7 +186,7 @@ class CheckpointManager:
         for path in leftovers:
             remove_quietly(path)
             Logger(f"removed {path}, left by a save that did not finish")
-        held = sum(_size_on_disk(p) for p in list_checkpoints(self.folder, self.prefix))
+        held = sum(size_on_disk(p) for p in list_checkpoints(self.folder, self.prefix))
         free, needed = free_bytes(self.folder), (self.keep_last + 1) * estimated_bytes
         if free is not None and free + held < needed:
             Logger(f"warning: --checkpoint_dir {self.folder} has {size_text(free)} free (and {size_text(held)} in "
@@ -173,6 +194,22 @@ class CheckpointManager:
                    f"({self.keep_last + 1} x {size_text(estimated_bytes)}: those kept and the one being written); "
                    f"a save that does not fit stops the run: free space, lower --keep_last or pass another "
                    f"--checkpoint_dir")
+
+    def next_run_number(self) -> int:
+        """A fresh run's number: one more than that of the newest checkpoint of this prefix here (0
+        for one saved before runs were numbered), so its checkpoints, not an earlier run's, are
+        the newest to the rotation and to a later resume, as a fresh MiniMind run overwrites its
+        resume file. Rank 0 reads the records and says what it found; every rank gets the number."""
+        number = None
+        if self.collectives.rank == 0:
+            records = [r for r in map(record_of, list_checkpoints(self.folder, self.prefix)) if r is not None]
+            number = 1 + max((run_number(r) for r in records), default=0)
+            if records:
+                Logger(f"--checkpoint_dir {self.folder} holds {len(records)} checkpoints of an earlier run of "
+                       f"{self.prefix} (the newest at step {records[0].get('global_step')}): this run's saves come "
+                       f"first, and --keep_last {self.keep_last} removes them as it saves (to continue that run "
+                       f"instead, relaunch with --from_resume 1)")
+        return self.collectives.broadcast(number)
 
     # ------------------------------------------------------------------ resuming
     def resume(self) -> dict | None:
@@ -223,9 +260,10 @@ class CheckpointManager:
         """Rank 0's pick: (path, state) to resume, (None, None) to start fresh; raises UserError to stop."""
         candidates = list_checkpoints(self.folder, self.prefix)
         if not candidates:
-            # Another prefix (say, a different --hidden_size) with a usable checkpoint means the
-            # flags changed, not that this is a new run: say so instead of silently starting over.
-            for other in sorted(list_checkpoints(self.folder), key=os.path.getmtime, reverse=True):
+            # The same --save_weight at another shape (say, another --hidden_size) with a usable
+            # checkpoint means the flags changed, not that this is a new run: say so instead of
+            # silently starting over. Another --save_weight names another run: not a reason to stop.
+            for other in sorted(other_shapes(self.folder, self.prefix), key=os.path.getmtime, reverse=True):
                 try:
                     saved_config = verify_checkpoint(other, self.needs, self.model_state.keys)["model_config"]
                 except ValueError:
@@ -250,69 +288,9 @@ def newest_record(folder: str, prefix: str, collectives=TORCH_COLLECTIVES) -> di
     above all. Rank 0 reads it and every rank gets it (a collective)."""
     record = {}
     if collectives.rank == 0:
-        records = ((path, _record_of(path)) for path in list_checkpoints(folder, prefix))
+        records = ((path, record_of(path)) for path in list_checkpoints(folder, prefix))
         record = next(({**r, "path": path} for path, r in records if r is not None), {})
     return collectives.broadcast(record)
-
-
-# ---------------------------------------------------------------------------- the files
-def step_path(checkpoint_dir, prefix, global_step, sharded=False) -> str:
-    return os.path.join(checkpoint_dir, f"{prefix}_resume_step{global_step:07d}{_extension(sharded)}")
-
-
-def latest_path(checkpoint_dir, prefix, sharded=False) -> str:
-    """The link to the newest checkpoint, for people and scripts (a resume picks by the records)."""
-    return os.path.join(checkpoint_dir, f"{prefix}_resume{_extension(sharded)}")
-
-
-def _extension(sharded: bool) -> str:
-    return ".dcp" if sharded else ".pth"  # a torch.distributed.checkpoint folder, or one torch.save file
-
-
-def list_checkpoints(checkpoint_dir, prefix="*") -> list[str]:
-    """Step checkpoints (files and DCP folders) of this run, newest first: most tokens trained,
-    as recorded at save time (a step of 2 processes is 2 steps of 1). Unrecorded ones (an
-    interrupted save) sort last; they are skipped on load anyway."""
-    name = prefix if prefix == "*" else glob.escape(prefix)
-    pattern = os.path.join(glob.escape(checkpoint_dir), f"{name}_resume_step*")
-    paths = [p for p in glob.glob(pattern) if re.search(r"_resume_step\d+\.(pth|dcp)$", p)]
-    return sorted(paths, key=_progress_of, reverse=True)
-
-
-def orphan_records(checkpoint_dir, prefix) -> list[str]:
-    """Records whose checkpoint is not there: a save killed between its record and its rename."""
-    pattern = os.path.join(glob.escape(checkpoint_dir), f"{glob.escape(prefix)}_resume_step*.json")
-    return [p for p in glob.glob(pattern) if re.search(r"\.(pth|dcp)\.json$", p) and not os.path.lexists(p[:-5])]
-
-
-def _progress_of(path) -> tuple:
-    step = int(re.search(r"_resume_step(\d+)\.", path).group(1))
-    tokens = (_record_of(path) or {}).get("tokens_seen")
-    return (tokens if isinstance(tokens, int) else -1, step)
-
-
-def _record_of(path) -> dict | None:
-    """The record written beside checkpoint `path` (None: none, or unreadable)."""
-    try:
-        with open(f"{path}.json") as f:
-            record = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) else None
-
-
-def _size_on_disk(path) -> int:
-    if os.path.isdir(path):
-        return sum(os.path.getsize(os.path.join(path, name)) for name in os.listdir(path))
-    return os.path.getsize(path) if os.path.exists(path) else 0
-
-
-def _sha256(path, chunk=1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _point_latest(checkpoint_dir, prefix, target):
@@ -328,60 +306,6 @@ def _point_latest(checkpoint_dir, prefix, target):
     except OSError as exc:
         remove_quietly(f"{link}.tmp")
         raise storage_error(exc, "the link", link, **AFTER_A_FAILED_SAVE) from None
-
-
-def _file_records(path) -> dict:
-    """{relative file name: {size, sha256}} of a checkpoint file or of every file in a folder."""
-    if os.path.isfile(path):
-        return {os.path.basename(path): {"size": os.path.getsize(path), "sha256": _sha256(path)}}
-    return {name: {"size": os.path.getsize(os.path.join(path, name)), "sha256": _sha256(os.path.join(path, name))}
-            for name in sorted(os.listdir(path))}
-
-
-def verify_checkpoint(path: str, needs=(), weight_keys=ModelState.keys) -> dict:
-    """Load `path` if its record, checksums and keys check out; raise ValueError saying why not
-    (a file the disk cannot read is one such reason).
-
-    Keys: the format's own, the record's, `needs` (the entries the parts that will load it
-    cannot do without: CheckpointManager.needs) and, in a .pth, the model's `weight_keys`.
-    Returns the state dict (for a DCP folder, only its trainer state: the shards are
-    read later, straight into the model)."""
-    record_path = f"{path}.json"
-    if not os.path.exists(record_path):
-        raise ValueError("no size/checksum record (its save was interrupted)")
-    try:
-        with open(record_path) as f:
-            recorded = json.load(f)["files"]
-    except OSError as exc:
-        raise ValueError(f"its record {os.path.basename(record_path)} cannot be read ({exc.strerror})") from None
-    except (ValueError, KeyError, TypeError):
-        raise ValueError(f"unreadable record {os.path.basename(record_path)}") from None
-    try:
-        actual = _file_records(path)
-    except OSError as exc:
-        raise ValueError(f"cannot be read ({exc.strerror or exc})") from None
-    for name, expected in recorded.items():
-        if name not in actual:
-            raise ValueError(f"{name} is missing")
-        if actual[name]["size"] != expected["size"]:
-            raise ValueError(f"{name} has {actual[name]['size']} bytes, but {expected['size']} were written "
-                             f"(truncated?)")
-        if actual[name]["sha256"] != expected["sha256"]:
-            raise ValueError(f"{name}: sha256 does not match the one recorded at save time (corrupt)")
-    state_file = os.path.join(path, TRAINER_STATE) if os.path.isdir(path) else path
-    try:
-        state = torch.load(state_file, map_location="cpu", weights_only=True)
-    except OSError as exc:
-        raise ValueError(f"cannot be read ({exc.strerror or exc})") from None
-    except Exception as exc:
-        raise ValueError(f"does not unpickle ({type(exc).__name__})") from None
-    required = {"format", "model_config", *needs}
-    if not os.path.isdir(path):
-        required |= set(weight_keys)
-    missing = required - set(state) if isinstance(state, dict) else required
-    if missing or state.get("format") != FORMAT:
-        raise ValueError(f"not a {FORMAT} checkpoint (missing {sorted(missing)})")
-    return state
 
 
 def check_config_matches(path: str, saved: dict, current: dict):

@@ -88,7 +88,9 @@ def train(cfg: TrainConfig, typed: frozenset, env, stage: Stage) -> int:
                                     config=cfg.record())
     checkpoints.tidy(model_state.estimated_bytes())
     saved = checkpoints.resume() if cfg.output.from_resume else None  # the same flag on every rank: a collective
-    if saved is not None:
+    if saved is None:  # every rank alike (rank 0's pick is broadcast): a collective
+        state.run_number = checkpoints.next_run_number()
+    else:
         Logger(f"resumed from {saved['path']} at step {state.global_step}/{plan.total_steps}")
         if state.global_step >= plan.total_steps:
             # Saving now would re-label the checkpoint in this run's step units; leave it be.

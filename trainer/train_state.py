@@ -114,13 +114,16 @@ class TrainState:
     # What load_state_dict() cannot do without (a run may have no wandb_run_id); and what is
     # also written in each checkpoint's record, so that choosing the newest unpickles none of them.
     keys: ClassVar = ("global_step", "epoch", "step_in_epoch", "samples_per_step", "world_size", "tokens_seen")
-    record_keys: ClassVar = ("global_step", "tokens_seen", "world_size")
+    record_keys: ClassVar = ("global_step", "tokens_seen", "world_size", "run_number")
 
     plan: StepPlan
     global_step: int = 0
     tokens_seen: int = 0
     wandb_run_id: str | None = None
     unread_tokens: torch.Tensor | None = None  # each step's tokens, summed on the device since the last read
+    # Which run of this --checkpoint_dir and prefix: a fresh run's is one more than the newest
+    # there (CheckpointManager.next_run_number), a resume keeps the checkpoint's.
+    run_number: int = 0
 
     def read_tokens(self) -> int:
         """tokens_seen, with the steps' tokens on the device read in (one host read)."""
@@ -134,17 +137,19 @@ class TrainState:
         where = self.plan.position(self.global_step)
         return {"global_step": self.global_step, "epoch": where.epoch, "step_in_epoch": where.step_in_epoch,
                 "samples_per_step": self.plan.samples_per_step, "world_size": self.plan.world_size,
-                "tokens_seen": self.tokens_seen, "wandb_run_id": self.wandb_run_id}
+                "tokens_seen": self.tokens_seen, "wandb_run_id": self.wandb_run_id, "run_number": self.run_number}
 
     def load_state_dict(self, saved: dict):
         self.global_step = self.resumed_step(saved)
         self.tokens_seen = saved["tokens_seen"]
         self.wandb_run_id = saved.get("wandb_run_id")
+        self.run_number = saved.get("run_number", 0)  # 0: saved before runs were numbered
         if saved["samples_per_step"] != self.plan.samples_per_step:
             step_in_epoch = self.global_step - saved["epoch"] * self.plan.steps_per_epoch
-            Logger(f"resume: world size {saved['world_size']} -> {self.plan.world_size}, step "
-                   f"{saved['step_in_epoch']} -> {step_in_epoch} of epoch {saved['epoch']} (step * "
-                   f"{saved['samples_per_step']} samples // {self.plan.samples_per_step} samples per step)")
+            # The world size, the batch or the accumulation changed: name the step size, not one cause.
+            Logger(f"resume: {saved['samples_per_step']} -> {self.plan.samples_per_step} samples per step (world size "
+                   f"{saved['world_size']} -> {self.plan.world_size}), step {saved['step_in_epoch']} -> {step_in_epoch} "
+                   f"of epoch {saved['epoch']} (step * {saved['samples_per_step']} // {self.plan.samples_per_step})")
 
     def resumed_step(self, saved: dict) -> int:
         """The saved data position as a step of this run (its plan may differ in world size)."""

@@ -16,7 +16,7 @@ from dataset.ood_corpus import build_ood_corpus, format_summary
 from model.weights import load_model
 from scripts.bench.curves import first_reach, spread
 from scripts.eval_llm import perplexity
-from trainer.checkpoint import list_checkpoints
+from trainer.checkpoint import STEP_NAME, list_checkpoints
 
 REFERENCES = ("a_minimind", "b_defaults")  # MiniMind's recipe; the defaults an option must beat
 SETS = ("in distribution", "out of distribution")
@@ -51,7 +51,7 @@ def ood_curve(run_dir: Path, prefix: str, val: list[dict], tokenizer, path: Path
     seconds = {row["step"]: row["train_s"] for row in val}
     curve, newest_first = [], list_checkpoints(str(run_dir / "ckpt"), prefix)
     for checkpoint in reversed(newest_first):
-        step = int(re.search(r"_resume_step(\d+)\.pth$", checkpoint)[1])
+        step = int(re.search(STEP_NAME, checkpoint)[1])
         scores = ood_score(load_model(checkpoint)[0], tokenizer, path, max_seq_len)
         curve.append({"step": step, "train_s": seconds[step], "val_loss": scores["loss"], "val_bpb": scores["bpb"]})
     kept.write_text(json.dumps(curve, indent=1))

@@ -112,8 +112,9 @@ def manager(folder, rank=None, model=None, state=None, keep_last=3, config=CONFI
                              collectives=collectives)
 
 
-def save_at(folder, step, tokens=None, keep_last=3):
-    state = TrainState(plan(), global_step=step, tokens_seen=tokens if tokens is not None else 100 * step)
+def save_at(folder, step, tokens=None, keep_last=3, run_number=0):
+    state = TrainState(plan(), global_step=step, tokens_seen=tokens if tokens is not None else 100 * step,
+                       run_number=run_number)
     return manager(folder, state=state, keep_last=keep_last).save(step)
 
 
@@ -140,6 +141,60 @@ def test_rotation_keeps_the_newest_by_tokens_trained_not_by_step(tmp_path):
     state = TrainState(plan())
     assert manager(tmp_path, state=state).resume()["global_step"] == 3
     assert state.tokens_seen == 700
+
+
+def test_a_save_at_a_step_number_already_taken_goes_beside_it_and_never_costs_the_old_one(tmp_path):
+    """1 process's step 2 resumes as 2 processes' step 1, whose save at step 2 holds more tokens.
+    With keep_last 1 the old checkpoint is the only one: a disk that refuses the new save must
+    leave it whole; once the new one fits it takes the next free name, is the newest, and the
+    rotation removes the old one."""
+    from common.errors import StorageError
+    from tests.support.fault_injection import SmallDisk
+
+    disk = SmallDisk(tmp_path / "disk", 1 << 20)
+    try:
+        with disk.installed():
+            save_at(disk.path, 2, tokens=200, keep_last=1)
+            disk.fill(leave=1000)
+            with pytest.raises(StorageError, match="no space left on device"):
+                save_at(disk.path, 2, tokens=400, keep_last=1)
+            assert manager(disk.path).latest()["tokens_seen"] == 200  # verified against its record
+            disk.empty()
+            path = save_at(disk.path, 2, tokens=400, keep_last=1)
+        assert path == step_path(str(disk.path), PREFIX, 2, copy=2) == f"{disk.path}/{PREFIX}_resume_step0000002_2.pth"
+        assert sorted(p.name for p in disk.path.iterdir()) == sorted([
+            latest_link_name(PREFIX), f"{PREFIX}_resume_step0000002_2.pth", f"{PREFIX}_resume_step0000002_2.pth.json"])
+        assert manager(disk.path).latest()["tokens_seen"] == 400
+    finally:
+        disk.close()
+
+
+def test_of_two_saves_of_the_same_progress_the_later_copy_is_the_newest(tmp_path):
+    """A resume that redoes a step (its newest checkpoint was damaged) saves it again beside the
+    damaged one, and the redone save is the one kept and resumed."""
+    save_at(tmp_path, 2)
+    damaged = step_path(str(tmp_path), PREFIX, 2)
+    with open(damaged, "r+b") as f:
+        f.truncate(100)
+    save_at(tmp_path, 2, keep_last=1)
+    assert [Path(p).name for p in list_checkpoints(str(tmp_path), PREFIX)] == [f"{PREFIX}_resume_step0000002_2.pth"]
+    assert manager(tmp_path).latest()["path"] == step_path(str(tmp_path), PREFIX, 2, copy=2)
+
+
+def test_a_fresh_run_is_numbered_after_the_newest_here_and_its_checkpoints_come_first(tmp_path, capsys):
+    assert manager(tmp_path).next_run_number() == 1  # an empty folder
+    assert capsys.readouterr().out == ""
+    for step in (3, 4, 5):  # an earlier run, further along
+        save_at(tmp_path, step, run_number=1)
+    number = manager(tmp_path).next_run_number()
+    assert number == 2
+    assert "holds 3 checkpoints of an earlier run of pretrain_64 (the newest at step 5)" in capsys.readouterr().out
+    save_at(tmp_path, 1, run_number=number)
+    assert [Path(p).name for p in list_checkpoints(str(tmp_path), PREFIX)] == \
+        [f"{PREFIX}_resume_step{s:07d}.pth" for s in (1, 5, 4)]
+    state = TrainState(plan())
+    assert manager(tmp_path, state=state).resume()["global_step"] == 1
+    assert (state.global_step, state.run_number) == (1, 2)
 
 
 def test_an_unverifiable_newest_is_skipped_and_all_unusable_stops(tmp_path, capsys):
@@ -185,6 +240,10 @@ def test_no_checkpoint_starts_fresh_but_another_shape_is_named(tmp_path):
                               collectives=ThreadRank(ThreadJob(1), 0))
     with pytest.raises(UserError, match="saved with hidden_size=64, but the flags give hidden_size=128"):
         other.latest()
+    # Another --save_weight is another run, whatever its shape: a first --from_resume 1 starts fresh.
+    another_run = CheckpointManager(str(tmp_path), "small_128", wider, FakeModel(), {},
+                                    collectives=ThreadRank(ThreadJob(1), 0))
+    assert another_run.latest() is None
 
 
 def test_non_finite_weights_are_never_saved(tmp_path):
@@ -270,8 +329,9 @@ def test_only_rank_0_writes_and_both_ranks_join_the_same_collectives(tmp_path):
                                                 f"{PREFIX}_resume_step0000004.pth.json"]
     assert not folders[1].exists()
     (rank0, _), (rank1, _) = done
-    # the RNGs gathered, then the save's outcome agreed: rank 1 waits for rank 0's write, and learns how it went
-    assert rank0.calls == rank1.calls == ["all_gather", "all_gather"]
+    # the RNGs gathered, rank 0's name for the checkpoint sent, then the save's outcome agreed: rank 1
+    # waits for rank 0's write, and learns how it went
+    assert rank0.calls == rank1.calls == ["all_gather", "broadcast", "all_gather"]
     saved = torch.load(folders[0] / f"{PREFIX}_resume_step0000004.pth", weights_only=True)
     assert len(saved["rng"]) == 2  # every rank's generators
 

@@ -102,6 +102,24 @@ def test_keep_last_three_named_by_step_and_link_to_newest(base):
         assert verify_checkpoint(str(d / name(step)))["global_step"] == step
 
 
+def test_a_fresh_run_over_an_earlier_run_s_checkpoints_keeps_its_own(base, tmp_path):
+    """--from_resume 0 in a folder holding a longer run's checkpoints (steps 4, 6, 8): the new
+    run's step 2 comes first, so the rotation removes the earlier run's oldest, not the step it
+    just saved, and a resume continues the new run (as a fresh MiniMind run overwrites its file)."""
+    run = tmp_path / "again"
+    shutil.copytree(base, run, symlinks=True)
+    result = run_trainer([*BASE, *out_args(run), "--max_steps", "2"], run)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert ("holds 3 checkpoints of an earlier run of pretrain_64 (the newest at step 8): this run's saves come "
+            "first") in result.stdout
+    d = run / "ckpt"
+    assert sorted(p.name for p in d.glob("*_step*.pth")) == [name(2), name(6), name(8)]
+    assert os.readlink(d / latest_link_name()) == name(2)
+    newest = latest_checkpoint(run)
+    assert (newest["global_step"], newest["run_number"]) == (2, 2)
+    assert verify_checkpoint(str(d / name(8)))["run_number"] == 1  # the earlier run, numbered first
+
+
 @pytest.mark.parametrize("scenario, reason", [
     ("truncated_newest", "truncated?"),
     ("corrupt_newest", "sha256 does not match"),
@@ -118,9 +136,10 @@ def test_unusable_newest_is_skipped_in_one_line_and_the_previous_used(attempts, 
     else:
         assert not lines
     assert resumed_from(result.stdout) == 6
-    # ...and the re-trained step 8 replaced the bad file with a good one.
-    assert verify_checkpoint(str(ckpt(run, 8)))["global_step"] == 8
-    assert os.readlink(run / "ckpt" / latest_link_name()) == name(8)
+    # ...and the re-trained step 8, saved beside the bad file, replaced it once whole.
+    redone = checkpoint_path(run, 8).with_name(name(8).replace(".pth", "_2.pth"))
+    assert verify_checkpoint(str(redone))["global_step"] == 8 and not ckpt(run, 8).exists()
+    assert os.readlink(run / "ckpt" / latest_link_name()) == redone.name
 
 
 def test_leftover_tmp_files_do_not_matter(attempts):

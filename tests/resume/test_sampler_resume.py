@@ -196,9 +196,9 @@ def test_first_run_saved_a_two_process_checkpoint(resumed):
 def test_one_process_resume_logs_the_rescale_once(resumed):
     _, _, second = resumed
     assert second.returncode == 0, second.stdout[-3000:]
-    lines = [line for line in second.stdout.splitlines() if line.startswith("resume: world size")]
-    assert lines == [f"resume: world size 2 -> 1, step {K1} -> {2 * K1} of epoch 0 "
-                     f"(step * 8 samples // 4 samples per step)"]
+    lines = [line for line in second.stdout.splitlines() if "samples per step (world size" in line]
+    assert lines == [f"resume: 8 -> 4 samples per step (world size 2 -> 1), step {K1} -> {2 * K1} of epoch 0 "
+                     f"(step * 8 // 4)"]
     assert re.search(rf"resumed from \S+_resume_step{K1:07d}\.pth at step {2 * K1}/{K2}", second.stdout)
 
 
