@@ -35,9 +35,9 @@ def _extension(sharded: bool) -> str:
 
 
 def list_checkpoints(checkpoint_dir, prefix="*") -> list[str]:
-    """Step checkpoints (files and DCP folders) of this run, newest first: most tokens trained,
-    as recorded at save time (a step of 2 processes is 2 steps of 1). Unrecorded ones (an
-    interrupted save) sort last; they are skipped on load anyway."""
+    """Step checkpoints (files and DCP folders) of this run, newest first: the latest run's, then
+    most tokens trained, as recorded at save time (a step of 2 processes is 2 steps of 1).
+    Unrecorded ones (an interrupted save) sort last; they are skipped on load anyway."""
     name = prefix if prefix == "*" else glob.escape(prefix)
     pattern = os.path.join(glob.escape(checkpoint_dir), f"{name}_resume_step*")
     paths = [p for p in glob.glob(pattern) if re.search(STEP_NAME, p)]
