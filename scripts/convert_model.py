@@ -145,7 +145,9 @@ def export_folder(out_dir, needed: int):
     (os.replace, file by file) only once all are there, so out_dir never holds half an export.
     A write the disk refuses removes the folder and becomes one line (safetensors and transformers
     report a full disk in their own words: common/errors.py's os_error_of finds it)."""
-    out_dir = Path(out_dir)
+    out_dir = Path(out_dir).absolute()  # "." has no name to put the staging folder's beside
+    if not out_dir.name:
+        raise UserError(f"--out_dir {out_dir}: name a folder to export into, not the root of the file system")
     staging = out_dir.with_name(f"{out_dir.name}.export.tmp")
     remove_quietly(staging)
     try:

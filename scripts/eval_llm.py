@@ -153,15 +153,18 @@ def _add_batch(model, batch, pad, device, byte_lengths, docs, tokens, total_loss
 
 
 @torch.no_grad()
-def conversation_loss(model, tokenizer, path, max_seq_len=512, batch_size=8):
+def conversation_loss(model, tokenizer, path, max_docs=None, max_seq_len=512, batch_size=8):
     """(conversations, tokens, mean loss, bits per byte) over the assistant's replies: the very
-    samples and targets fine-tuning trains on (dataset/sft_dataset.py), each conversation alone."""
-    from torch.utils.data import DataLoader
+    samples and targets fine-tuning trains on (dataset/sft_dataset.py), each conversation alone;
+    the first max_docs conversations only, where given."""
+    from torch.utils.data import DataLoader, Subset
 
     from dataset.sft_dataset import SFTDataset
     from trainer.evaluate import evaluate
 
     data = SFTDataset(path, tokenizer, max_seq_len, flag="--ppl_data")
+    if max_docs is not None:
+        data = Subset(data, range(min(max_docs, len(data))))
     device = next(model.parameters()).device
     batches = list(DataLoader(data, batch_size=batch_size))
     loss, bpb = evaluate(model, batches, nullcontext(), device, token_byte_lengths(tokenizer, model.config.vocab_size))
@@ -286,7 +289,7 @@ def main(argv=None):
     model.to(device)
     torch.manual_seed(args.seed)
     if args.ppl_data and is_conversations(args.ppl_data):
-        docs, tokens, loss, bpb = conversation_loss(model, tokenizer, args.ppl_data, args.max_seq_len)
+        docs, tokens, loss, bpb = conversation_loss(model, tokenizer, args.ppl_data, args.ppl_max_docs, args.max_seq_len)
         print(f"ppl_data={args.ppl_data} conversations={docs} reply_tokens={tokens} loss={loss:.6f} "
               f"ppl={math.exp(loss):.6f} bits_per_byte={bpb:.6f}")
     elif args.ppl_data:

@@ -156,15 +156,18 @@ class RequestCheck:
 
     def _text_prompt_tokens(self, prompt, name) -> int:
         if isinstance(prompt, list):  # the Responses API's list of items: their text
-            prompt = " ".join(text_of(item.get("content")) if isinstance(item, dict) else str(item)
+            prompt = " ".join(text_of(item.get("content"), name) if isinstance(item, dict) else str(item)
                               for item in prompt)
         if not isinstance(prompt, str) or not prompt:
             raise BadRequest(f"{name} must be a non-empty string", param=name)
         return len(self.tokenizer(prompt, add_special_tokens=False).input_ids)
 
 
-def text_of(content) -> str:
+def text_of(content, param="messages") -> str:
     """A message's text: a string, or the text parts of a list of content parts."""
     if isinstance(content, list):
-        return " ".join(part.get("text", "") for part in content if isinstance(part, dict))
+        texts = [part.get("text", "") for part in content if isinstance(part, dict)]
+        if not all(isinstance(text, str) for text in texts):
+            raise BadRequest("a content part's text must be a string", param=param)
+        return " ".join(texts)
     return content if isinstance(content, str) else ""

@@ -1,6 +1,7 @@
 """Bits per byte: dataset/token_bytes.py's byte lengths of the tokens, trainer/evaluate.py's
 validation, and scripts/eval_llm.py's --ppl_data, which must agree."""
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -105,3 +106,20 @@ def test_validation_scores_each_packed_document_alone(trains_with_doc_mask, monk
     plain_loss, _ = evaluate(model, packed, nullcontext(), "cpu", lengths)
     assert abs(plain_loss - loss) > 1e-4
     assert kinds == [None if trains_with_doc_mask else False]
+
+
+def test_ppl_max_docs_counts_conversations_too(tmp_path):
+    """eval_llm.py --ppl_max_docs N on conversations scores the first N, as on documents."""
+    from dataset.lm_dataset import load_tokenizer
+    from scripts.eval_llm import conversation_loss
+    from tests.support.helpers_data import write_conversations
+
+    tok = load_tokenizer(REPO_ROOT / "model")
+    chats = write_conversations(tmp_path / "chat.jsonl", n=6)
+    first = tmp_path / "first.jsonl"
+    first.write_text("".join(Path(chats).read_text().splitlines(keepends=True)[:2]))
+    torch.manual_seed(0)
+    model = MiniMindForCausalLM(MiniMindConfig(hidden_size=64, num_hidden_layers=1, vocab_size=6400)).eval()
+    cut = conversation_loss(model, tok, chats, max_docs=2, max_seq_len=64)
+    assert cut[0] == 2 and cut == conversation_loss(model, tok, first, max_seq_len=64)
+    assert conversation_loss(model, tok, chats, max_seq_len=64)[0] > 2  # all of them (one may be cut to nothing)

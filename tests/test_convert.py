@@ -167,3 +167,17 @@ def test_cli_export_and_bad_input(work, tmp_path, capsys):
     assert not (tmp_path / "t").exists()  # refused before writing anything
     assert "--to_pth needs" in error_of("--to_pth", "--hf_dir", str(tmp_path))
     assert "no config.json" in error_of("--to_pth", "--hf_dir", str(tmp_path), "--out_path", str(tmp_path / "y.pth"))
+
+
+def test_an_export_into_the_current_folder_and_none_into_the_root(work, tmp_path, capsys, monkeypatch):
+    """--out_dir . stages beside the current folder and lands in it; --out_dir / is one line."""
+    root, tok_dir, runs = work
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    main(["--weight_path", str(runs["dense"]["pth"]), *CLI_FLAGS, "--out_dir", ".", "--tokenizer_path", str(tok_dir)])
+    assert "verified: AutoModelForCausalLM.from_pretrained(" in capsys.readouterr().out
+    assert (here / "config.json").is_file() and (here / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["here"]  # the staging folder is gone
+    err = one_line_stop(main, capsys, "--weight_path", str(runs["dense"]["pth"]), *CLI_FLAGS, "--out_dir", "/")
+    assert "--out_dir /: name a folder to export into" in err

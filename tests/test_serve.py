@@ -123,6 +123,9 @@ BAD_REQUESTS = {
     "max_tokens -1": ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, 400, "max_tokens"),
     "prompt over the context": ({"messages": [{"role": "user", "content": LONG}], "max_tokens": 4}, 400, "context"),
     "no messages": ({"messages": [], "max_tokens": 4}, 400, "messages"),
+    "a content part's text not a string": (
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}], "max_tokens": 4}, 400,
+        "text must be a string"),
 }
 
 
