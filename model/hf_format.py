@@ -83,7 +83,7 @@ def hf_to_state_dict(hf_dir):
     if not config_file.is_file():
         raise WeightsError(f"{hf_dir}: no config.json there: "
                            f"pass --hf_dir a folder written by scripts/convert_model.py")
-    model_type = json.loads(config_file.read_text()).get("model_type")
+    model_type = _json_of(config_file, "the model config").get("model_type")
     if model_type == "minimind":
         config = MiniMindConfig.from_pretrained(hf_dir)
     elif model_type in ("qwen3", "qwen3_moe"):
@@ -98,10 +98,27 @@ def hf_to_state_dict(hf_dir):
     return state, config
 
 
+def _json_of(path, what) -> dict:
+    """A JSON object file of an export, or one line saying what is wrong with it."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise WeightsError(f"{path}: {what} is not readable JSON ({type(e).__name__}): re-export the folder with "
+                           f"scripts/convert_model.py") from None
+    if not isinstance(value, dict):
+        raise WeightsError(f"{path}: {what} is a JSON {type(value).__name__}, not an object: re-export the folder "
+                           f"with scripts/convert_model.py")
+    return value
+
+
 def _read_safetensors(hf_dir):
     index = hf_dir / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = _json_of(index, "the safetensors index").get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise WeightsError(f"{index}: the safetensors index has no weight_map: re-export the folder with "
+                               f"scripts/convert_model.py")
+        files = sorted(set(weight_map.values()))
     elif (hf_dir / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:

@@ -18,12 +18,40 @@ def flag_default(name):
     return int(getattr(MiniMindConfig(), name))
 
 
+# Sizes a model cannot be built without, each a positive integer; the None-able ones may be absent
+# (MiniMindConfig derives them).
+SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
+         "max_position_embeddings", "num_experts", "num_experts_per_tok")
+DERIVED_SIZES = ("head_dim", "intermediate_size", "moe_intermediate_size")
+
+
+def shape_problem(values: dict) -> str | None:
+    """What keeps these config values (a stored config, or the shape flags) from making a model,
+    in a few words; None where nothing does. An absent field takes MiniMindConfig's default."""
+    for name in (*SIZES, *DERIVED_SIZES):
+        value = values.get(name, None if name in DERIVED_SIZES else 1)
+        if value is None and name in DERIVED_SIZES:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            return f"{name} is {value!r}, not a positive integer"
+    heads, kv_heads = (values.get(name, flag_default(name)) for name in ("num_attention_heads", "num_key_value_heads"))
+    if heads % kv_heads:
+        return f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+    return None
+
+
 def resolve_config(stored, flags, source):
     """The MiniMindConfig to build: a stored config wins, and flags passed explicitly
     (not None) must agree with it; without a stored config the flags decide."""
     flags = {k: v for k, v in flags.items() if v is not None}
     if stored is None:
+        if problem := shape_problem(flags):
+            raise WeightsError(f"{source}: the shape flags make no model ({problem}): pass the flags the weights "
+                               f"were trained with (--hidden_size, --num_attention_heads, ...)")
         return MiniMindConfig(**flags)
+    if not isinstance(stored, MiniMindConfig) and (problem := shape_problem(dict(stored))):
+        raise WeightsError(f"{source}: its stored model config makes no model ({problem}): it was not written by "
+                           f"this trainer; convert the weights, or pass another file")
     config = stored if isinstance(stored, MiniMindConfig) else MiniMindConfig.from_dict(dict(stored))
     for name, value in flags.items():
         have = getattr(config, name)

@@ -22,7 +22,7 @@ from common.storage import atomic_torch_save, atomic_write_text
 
 from .hf_format import hf_to_state_dict, read_safetensors_file, split_fused_experts
 from .model_minimind import MiniMindConfig, MiniMindForCausalLM
-from .shape_flags import format_flags, guess_flags, resolve_config
+from .shape_flags import format_flags, guess_flags, resolve_config, shape_problem
 
 # -----------------------------------------------------------------------------
 # .pth weights and resume checkpoints
@@ -104,7 +104,7 @@ def read_sidecar(weight_path):
     if problem is None:
         try:
             return MiniMindConfig.from_dict(stored)
-        except Exception as e:  # the config's own checks, e.g. heads that do not divide hidden_size
+        except Exception as e:  # what else transformers' PretrainedConfig refuses
             problem = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     raise WeightsError(f"{path}: not a MiniMind model config ({problem}): {what_to_do}")
 
@@ -114,13 +114,9 @@ def _sidecar_problem(stored):
         return f"a JSON {type(stored).__name__}, not an object"
     if stored.get("model_type", MiniMindConfig.model_type) != MiniMindConfig.model_type:
         return f"model_type {stored['model_type']!r}"
-    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size"):
-        value = stored.get(name, 1)  # absent: the config's default
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            return f"{name} is {value!r}, not a positive integer"
     if not isinstance(stored.get("use_moe", False), bool):
         return f"use_moe is {stored['use_moe']!r}, not true or false"
-    return None
+    return shape_problem(stored)
 
 
 def load_weights(path):

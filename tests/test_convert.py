@@ -167,6 +167,9 @@ def test_cli_export_and_bad_input(work, tmp_path, capsys):
     assert not (tmp_path / "t").exists()  # refused before writing anything
     assert "--to_pth needs" in error_of("--to_pth", "--hf_dir", str(tmp_path))
     assert "no config.json" in error_of("--to_pth", "--hf_dir", str(tmp_path), "--out_path", str(tmp_path / "y.pth"))
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3",')  # cut short
+    assert "config.json: the model config is not readable JSON" in error_of(
+        "--to_pth", "--hf_dir", str(tmp_path), "--out_path", str(tmp_path / "y.pth"))
 
 
 def test_an_export_into_the_current_folder_and_none_into_the_root(work, tmp_path, capsys, monkeypatch):

@@ -127,6 +127,9 @@ def test_a_pth_without_sidecar_still_goes_by_the_flags(trained, tmp_path, capsys
     ("[64, 2]", "not a MiniMind model config (a JSON list"),
     ("{\"model_type\": \"qwen3\", \"hidden_size\": 64}", "model_type 'qwen3'"),
     ("{\"hidden_size\": \"64\"}", "hidden_size is '64'"),
+    ("{\"hidden_size\": 64, \"intermediate_size\": -1}", "intermediate_size is -1"),
+    ("{\"hidden_size\": 64, \"max_position_embeddings\": 0}", "max_position_embeddings is 0"),
+    ("{\"hidden_size\": 64, \"num_attention_heads\": 8, \"num_key_value_heads\": 3}", "not a multiple"),
 ])
 def test_a_bad_sidecar_is_one_line(trained, tmp_path, capsys, text, says):
     pth = tmp_path / "w.pth"
@@ -157,3 +160,30 @@ def test_convert_model_round_trip_needs_no_flags(trained, tmp_path, capsys):
     convert_main(["--to_pth", "--hf_dir", str(tmp_path / "hf"), "--out_path", str(tmp_path / "back.pth")])
     assert Path(tmp_path / "back.json").is_file()
     assert logits_of(load_model(tmp_path / "back.pth")[0]).equal(logits_of(load_model(pth)[0]))
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--num_attention_heads", "0"], "num_attention_heads is 0"),
+    (["--hidden_size", "-8"], "hidden_size is -8"),
+])
+def test_shape_flags_that_make_no_model_are_one_line(trained, tmp_path, capsys, flags, says):
+    """A .pth without a config beside it goes by the flags: flags that describe no model stop in one
+    line, before any tensor is built."""
+    bare = tmp_path / "minimind.pth"
+    bare.write_bytes((trained / "pretrain_64.pth").read_bytes())
+    err = one_error_line(capsys, lambda: eval_main(["--weight_path", str(bare), *flags, "--prompt", "x",
+                                                    "--device", "cpu"]))
+    assert says in err and "the shape flags make no model" in err
+
+
+def test_a_stored_config_that_makes_no_model_is_one_line(trained, tmp_path):
+    """A resume checkpoint carries its model config inside: checked like a sidecar."""
+    import torch
+
+    from model.weights import load_model as load
+
+    state = torch.load(trained / "pretrain_64.pth", weights_only=True)
+    bad = tmp_path / "resume.pth"
+    torch.save({"model": state, "model_config": {"hidden_size": 64, "num_attention_heads": 0}}, bad)
+    with pytest.raises(WeightsError, match="stored model config makes no model \\(num_attention_heads is 0"):
+        load(bad)
