@@ -34,9 +34,14 @@ def shape_problem(values: dict) -> str | None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             return f"{name} is {value!r}, not a positive integer"
-    heads, kv_heads = (values.get(name, flag_default(name)) for name in ("num_attention_heads", "num_key_value_heads"))
+    hidden, heads, kv_heads = (values.get(name, flag_default(name))
+                               for name in ("hidden_size", "num_attention_heads", "num_key_value_heads"))
     if heads % kv_heads:
         return f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+    head_dim = values.get("head_dim") or hidden // heads
+    if head_dim < 2 or head_dim % 2:  # RoPE rotates the two halves of each head
+        return (f"each head has {head_dim} dimensions (hidden_size {hidden} / num_attention_heads {heads}), "
+                f"not an even number of at least 2")
     return None
 
 
@@ -49,7 +54,10 @@ def resolve_config(stored, flags, source):
             raise WeightsError(f"{source}: the shape flags make no model ({problem}): pass the flags the weights "
                                f"were trained with (--hidden_size, --num_attention_heads, ...)")
         return MiniMindConfig(**flags)
-    if not isinstance(stored, MiniMindConfig) and (problem := shape_problem(dict(stored))):
+    if not isinstance(stored, (dict, MiniMindConfig)):
+        raise WeightsError(f"{source}: its stored model config is a {type(stored).__name__}, not a mapping: it was "
+                           f"not written by this trainer; convert the weights, or pass another file")
+    if isinstance(stored, dict) and (problem := shape_problem(stored)):
         raise WeightsError(f"{source}: its stored model config makes no model ({problem}): it was not written by "
                            f"this trainer; convert the weights, or pass another file")
     config = stored if isinstance(stored, MiniMindConfig) else MiniMindConfig.from_dict(dict(stored))

@@ -165,6 +165,8 @@ def test_convert_model_round_trip_needs_no_flags(trained, tmp_path, capsys):
 @pytest.mark.parametrize("flags, says", [
     (["--num_attention_heads", "0"], "num_attention_heads is 0"),
     (["--hidden_size", "-8"], "hidden_size is -8"),
+    (["--hidden_size", "72"], "each head has 9 dimensions"),  # 8 heads by default
+    (["--hidden_size", "4"], "each head has 0 dimensions"),
 ])
 def test_shape_flags_that_make_no_model_are_one_line(trained, tmp_path, capsys, flags, says):
     """A .pth without a config beside it goes by the flags: flags that describe no model stop in one

@@ -139,8 +139,9 @@ class OptimConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     hidden_size: int = flag(flag_default("hidden_size"), "model width (8 heads)",
-                            check=lambda v: at_least(8)(v) or (None if v % 8 == 0 else
-                                                               f"must be a multiple of 8 (8 attention heads), got {v}"))
+                            check=lambda v: at_least(16)(v) or (None if v % 16 == 0 else
+                                                                f"must be a multiple of 16 (8 attention heads, each "
+                                                                f"of an even width: RoPE turns pairs), got {v}"))
     num_hidden_layers: int = flag(flag_default("num_hidden_layers"), "blocks", check=at_least(1))
     max_seq_len: int = flag(340, "tokens per sample (a padded line or a packed window)", check=at_least(2))
     vocab_size: int = flag(flag_default("vocab_size"), "the model's embedding rows (>= the tokenizer's)", check=at_least(1))
