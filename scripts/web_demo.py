@@ -14,6 +14,8 @@ import sys
 import streamlit as st
 
 DEFAULT_API_BASE = "http://127.0.0.1:8998/v1"
+# The sidebar's controls: the (low, high) of each, where a flag's start value must fall.
+RANGES = {"history_turns": (0, 20), "temperature": (0.0, 2.0), "top_p": (0.05, 1.0), "max_tokens": (1, 32768)}
 
 
 def parse_args(argv):
@@ -27,6 +29,15 @@ def parse_args(argv):
     p.add_argument("--history_turns", type=int, default=4, help="earlier turns sent with a question, at start")
     # parse_known: under Streamlit's test runner sys.argv is the runner's own.
     return p.parse_known_args(argv)[0]
+
+
+def out_of_range(args) -> str | None:
+    """The first flag whose value the sidebar's control cannot show, in one line (None: none)."""
+    for name, (low, high) in RANGES.items():
+        value = getattr(args, name)
+        if not low <= value <= high:  # NaN included
+            return f"--{name} {value} is outside the sidebar's range [{low}, {high}]: pass a value inside it"
+    return None
 
 
 def turns_to_send(history: list[dict], turns: int) -> list[dict]:
@@ -53,10 +64,10 @@ def one_line(error: Exception, api_base: str) -> str:
 def sidebar():
     with st.sidebar:
         st.text_input("Endpoint", key="api_base")
-        st.slider("Earlier turns sent", 0, 20, key="history_turns")
-        st.slider("Temperature", 0.0, 2.0, key="temperature", step=0.05)
-        st.slider("top_p", 0.05, 1.0, key="top_p", step=0.05)
-        st.number_input("Max tokens", 1, 32768, key="max_tokens")
+        st.slider("Earlier turns sent", *RANGES["history_turns"], key="history_turns")
+        st.slider("Temperature", *RANGES["temperature"], key="temperature", step=0.05)
+        st.slider("top_p", *RANGES["top_p"], key="top_p", step=0.05)
+        st.number_input("Max tokens", *RANGES["max_tokens"], key="max_tokens")
         st.toggle("Thinking", key="thinking", help="the model reasons first; the reasoning is shown apart")
         if st.button("Clear the conversation"):
             st.session_state.history = []
@@ -101,6 +112,9 @@ def main(argv=None):
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     st.set_page_config(page_title="MiniMind chat")
+    if problem := out_of_range(args):
+        st.error(problem)
+        st.stop()
     state = st.session_state
     for key in ("api_base", "temperature", "top_p", "max_tokens", "history_turns"):
         state.setdefault(key, getattr(args, key))

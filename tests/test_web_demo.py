@@ -2,6 +2,7 @@
 its logic under Streamlit's AppTest, and the page itself in headless Chromium driven by Selenium."""
 import os
 import shutil
+import sys
 import time
 
 import pytest
@@ -109,6 +110,20 @@ def test_errors_are_one_line_and_the_conversation_stays(served):
     assert said(app)[-1] == ("assistant", greedy(served, [
         {"role": "user", "content": "What is 7?"}, {"role": "assistant", "content": kept[1][1]},
         {"role": "user", "content": "What is 12?"}]))
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--temperature", "3"], "--temperature 3.0 is outside the sidebar's range [0.0, 2.0]"),
+    (["--history_turns", "30"], "--history_turns 30 is outside the sidebar's range [0, 20]"),
+    (["--top_p", "nan"], "--top_p nan is outside"),
+])
+def test_a_flag_the_sidebar_cannot_show_is_one_line(monkeypatch, flags, says):
+    """Streamlit would show its own error, with a traceback, for a slider started outside its range."""
+    monkeypatch.setattr(sys, "argv", ["web_demo.py", *flags])
+    app = AppTest.from_file(str(WEB_DEMO), default_timeout=60).run()
+    assert not app.exception, app.exception
+    assert len(app.error) == 1 and says in app.error[0].value
+    assert "\n" not in app.error[0].value and not app.chat_input
 
 
 def browser_missing() -> str | None:
