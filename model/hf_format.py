@@ -98,13 +98,18 @@ def hf_to_state_dict(hf_dir):
     return state, config
 
 
+def read_json(path, what: str, what_to_do: str):
+    """The JSON value in `path`, a file that travels with the weights (as untrusted as they are),
+    or one line naming it, `what` it holds and `what_to_do`."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise WeightsError(f"{path}: {what} is not readable JSON ({type(e).__name__}): {what_to_do}") from None
+
+
 def _json_of(path, what) -> dict:
     """A JSON object file of an export, or one line saying what is wrong with it."""
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise WeightsError(f"{path}: {what} is not readable JSON ({type(e).__name__}): re-export the folder with "
-                           f"scripts/convert_model.py") from None
+    value = read_json(path, what, "re-export the folder with scripts/convert_model.py")
     if not isinstance(value, dict):
         raise WeightsError(f"{path}: {what} is a JSON {type(value).__name__}, not an object: re-export the folder "
                            f"with scripts/convert_model.py")

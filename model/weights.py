@@ -20,7 +20,7 @@ import torch
 from common.errors import WeightsError
 from common.storage import atomic_torch_save, atomic_write_text
 
-from .hf_format import hf_to_state_dict, read_safetensors_file, split_fused_experts
+from .hf_format import hf_to_state_dict, read_json, read_safetensors_file, split_fused_experts
 from .model_minimind import MiniMindConfig, MiniMindForCausalLM
 from .shape_flags import format_flags, guess_flags, resolve_config, shape_problem
 
@@ -95,11 +95,7 @@ def read_sidecar(weight_path):
     if not path.is_file():
         return None
     what_to_do = f"rewrite or delete it (without it, shape flags describe the weights in {Path(weight_path).name})"
-    try:
-        stored = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise WeightsError(f"{path}: the model config beside the weights is not readable JSON "
-                           f"({type(e).__name__}): {what_to_do}") from None
+    stored = read_json(path, "the model config beside the weights", what_to_do)
     problem = _sidecar_problem(stored)
     if problem is None:
         try:
