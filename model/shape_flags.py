@@ -29,9 +29,9 @@ def shape_problem(values: dict) -> str | None:
     """What keeps these config values (a stored config, or the shape flags) from making a model,
     in a few words; None where nothing does. An absent field takes MiniMindConfig's default."""
     for name in (*SIZES, *DERIVED_SIZES):
-        value = values.get(name, None if name in DERIVED_SIZES else 1)
-        if value is None and name in DERIVED_SIZES:
-            continue
+        if name not in values or (values[name] is None and name in DERIVED_SIZES):
+            continue  # MiniMindConfig's default, or derived from the others
+        value = values[name]
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             return f"{name} is {value!r}, not a positive integer"
     hidden, heads, kv_heads = (values.get(name, flag_default(name))
@@ -60,7 +60,7 @@ def resolve_config(stored, flags, source):
     if isinstance(stored, dict) and (problem := shape_problem(stored)):
         raise WeightsError(f"{source}: its stored model config makes no model ({problem}): it was not written by "
                            f"this trainer; convert the weights, or pass another file")
-    config = stored if isinstance(stored, MiniMindConfig) else MiniMindConfig.from_dict(dict(stored))
+    config = MiniMindConfig.from_dict(dict(stored)) if isinstance(stored, dict) else stored  # a copy: from_dict may pop
     for name, value in flags.items():
         have = getattr(config, name)
         if (bool(value) != have) if name == "use_moe" else (value != have):
