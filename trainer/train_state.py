@@ -148,8 +148,9 @@ class TrainState:
             step_in_epoch = self.global_step - saved["epoch"] * self.plan.steps_per_epoch
             # The world size, the batch or the accumulation changed: name the step size, not one cause.
             Logger(f"resume: {saved['samples_per_step']} -> {self.plan.samples_per_step} samples per step (world size "
-                   f"{saved['world_size']} -> {self.plan.world_size}), step {saved['step_in_epoch']} -> {step_in_epoch} "
-                   f"of epoch {saved['epoch']} (step * {saved['samples_per_step']} // {self.plan.samples_per_step})")
+                   f"{saved['world_size']} -> {self.plan.world_size}), step {saved['step_in_epoch']} -> "
+                   f"{step_in_epoch} of epoch {saved['epoch']} (step * {saved['samples_per_step']} // "
+                   f"{self.plan.samples_per_step})")
 
     def resumed_step(self, saved: dict) -> int:
         """The saved data position as a step of this run (its plan may differ in world size)."""
