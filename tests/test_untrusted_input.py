@@ -230,7 +230,7 @@ BAD_FLAGS = {
     "save_every_minutes_negative": (["--save_every_minutes", "-5"], "--save_every_minutes must be a finite number at least 0"),
     "val_fraction_nan": (["--val_fraction", "nan"], "--val_fraction must be in [0, 1)"),
     "eval_batches_0": (["--eval_batches", "0"], "--eval_batches must be at least 1, got 0"),
-    "hidden_size_odd_heads": (["--hidden_size", "72"], "--hidden_size must be a multiple of 16"),  # heads of 9: RoPE
+    "hidden_size_odd_heads": (["--hidden_size", "72"], "--hidden_size makes no model (each head has 9 dimensions"),  # heads of 9: RoPE
     "eval_interval_negative": (["--eval_interval", "-1"], "--eval_interval must be at least 0, got -1"),
     "seed_negative": (["--seed", "-1"], "--seed must be at least 0, got -1"),
     "seed_too_large": (["--seed", str(2 ** 32)], "--seed must be below 2**31"),

@@ -33,7 +33,7 @@ from common.cli import OneLineArgumentParser, adam_betas, at_least, auto_or, fla
 from common.errors import UserError
 from dataset.demo_corpus import DEMO_CORPUS
 from model.model_minimind import SHAPE_FIELDS
-from model.shape_flags import flag_default
+from model.shape_flags import flag_default, shape_problem
 from trainer.auto import (ADAMW_LR_BESIDE_MUON, ADAMW_LR_BY_WIDTH, FEWER_NS_STEPS, MUON_LR_BY_WIDTH, MUON_STEP_BOUND,
                           WEIGHT_DECAY)
 from trainer.optim import NS_STEPS
@@ -138,10 +138,9 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    hidden_size: int = flag(flag_default("hidden_size"), "model width (8 heads)",
-                            check=lambda v: at_least(16)(v) or (None if v % 16 == 0 else
-                                                                f"must be a multiple of 16 (8 attention heads, each "
-                                                                f"of an even width: RoPE turns pairs), got {v}"))
+    hidden_size: int = flag(flag_default("hidden_size"), "model width (8 heads of an even width: a multiple of 16)",
+                            check=lambda v: (why := shape_problem({"hidden_size": v}))
+                            and f"makes no model ({why}): pass a multiple of 16")
     num_hidden_layers: int = flag(flag_default("num_hidden_layers"), "blocks", check=at_least(1))
     max_seq_len: int = flag(340, "tokens per sample (a padded line or a packed window)", check=at_least(2))
     vocab_size: int = flag(flag_default("vocab_size"), "the model's embedding rows (>= the tokenizer's)", check=at_least(1))
