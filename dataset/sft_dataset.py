@@ -52,14 +52,20 @@ class ChatOptions:
 
 
 def sample_of(encoded: Encoded, max_length: int, pad_id: int):
-    """(input ids, next-token targets) of one conversation, right-padded to max_length."""
+    """(input ids, next-token targets, document starts) of one conversation, right-padded to
+    max_length. The starts say the conversation is one document: every turn opens with BOS
+    (<|im_start|>), so a mask drawn at each BOS would hide the question from its answer."""
     n = len(encoded.ids)
     ids = torch.full((max_length,), pad_id, dtype=torch.long)
     ids[:n] = torch.tensor(encoded.ids, dtype=torch.long)
     targets = torch.full((max_length,), IGNORE_INDEX, dtype=torch.long)
     trained = torch.tensor(encoded.trained[1:], dtype=torch.bool)
     targets[:n - 1] = torch.where(trained, ids[1:n], IGNORE_INDEX)
-    return ids, targets
+    starts = torch.zeros(max_length, dtype=torch.bool)
+    starts[0] = True
+    if n < max_length:
+        starts[n] = True  # the padding is a document of its own, as in PackedSFTDataset
+    return ids, targets, starts
 
 
 class SFTDataset(Dataset):

@@ -9,10 +9,14 @@ import torch
 from common.errors import DataError
 from dataset.chat import GENERATION_PROMPT, encode, generation_prompt, parse_conversation, render
 from dataset.lm_dataset import load_tokenizer
+from torch.utils.data import default_collate
+
 from dataset.sft_dataset import (
     ChatOptions, PackedSFTDataset, SFTDataset, conversation_cuts, pack_windows, sample_of,
 )
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.support import REPO_ROOT
+from trainer.step import attention_mask
 from scripts.prepare_data import prepare_sft
 from tests.support.helpers_data import write_conversations
 
@@ -114,10 +118,11 @@ def test_the_loss_mask_token_by_token(tokenizer):
     ]
     assert encoded.ids == tokenizer(text_of(HAND_WRITTEN), add_special_tokens=False).input_ids
     # The sample's targets: token t + 1 where the loss looks at it, else -100.
-    ids, targets = sample_of(encoded, 128, tokenizer.pad_token_id)
+    ids, targets, starts = sample_of(encoded, 128, tokenizer.pad_token_id)
     n = len(encoded.ids)
     assert targets[:n - 1].tolist() == [i if t else -100 for i, t in zip(encoded.ids[1:], encoded.trained[1:])]
     assert (targets[n - 1:] == -100).all() and (ids[n:] == tokenizer.pad_token_id).all()
+    assert starts.nonzero().flatten().tolist() == [0, n]  # one document, then the padding
 
 
 def test_a_cut_keeps_complete_turns_and_gives_up_without_a_reply(tokenizer):
@@ -211,6 +216,22 @@ def test_a_packed_window_marks_where_its_conversations_start(tokenizer, tmp_path
     assert len(where) == 7  # six conversations, then the padding
     assert all(ids[i] == tokenizer.bos_token_id for i in where[:-1])
     assert (ids[where[-1]:] == tokenizer.pad_token_id).all() and (targets[where[-1] - 1:] == -100).all()
+
+
+def test_a_padded_conversation_is_validated_as_one_document(tokenizer, tmp_path):
+    # Every turn opens with BOS (<|im_start|>). Validation draws the document mask wherever a
+    # sample does not mark its documents, so a padded conversation must mark itself as one, or
+    # each answer is scored without its question.
+    padded = SFTDataset(write_conversations(tmp_path / "c.jsonl", n=6), tokenizer, 256)
+    batch = default_collate([padded[i] for i in range(len(padded))])
+    assert ((batch[0] == tokenizer.bos_token_id).sum(1) >= 2).all()  # a user and an assistant turn at least
+    torch.manual_seed(0)
+    model = MiniMindForCausalLM(MiniMindConfig(hidden_size=64, num_hidden_layers=2)).eval()
+    with torch.no_grad():
+        masked = model(batch[0], attention_mask=attention_mask(batch, True, tokenizer.bos_token_id, flex=False),
+                       shift_labels=batch[1]).loss
+        causal = model(batch[0], shift_labels=batch[1]).loss
+    assert torch.allclose(masked, causal, atol=1e-5), (masked, causal)
 
 
 def test_cuts_and_windows_by_hand():
