@@ -47,7 +47,8 @@ from trainer.config import default_weight_path
 
 
 class TextStreamer:
-    """Prints the text of new tokens as generate() produces them (its put/end protocol).
+    """Prints the text of new tokens as generate() produces them (transformers' put/end
+    protocol: the prompt first, which is not printed, then each new token).
 
     Decoding the whole continuation each step, rather than token by token, keeps
     byte-level BPE pieces of one multi-byte character together.
@@ -56,9 +57,12 @@ class TextStreamer:
     def __init__(self, tokenizer, out=None):
         self.tokenizer = tokenizer
         self.out = out or sys.stdout
-        self.ids, self.printed = [], 0
+        self.ids, self.printed, self.prompt_seen = [], 0, False
 
     def put(self, token_ids):
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
         self.ids.extend(token_ids.reshape(-1).tolist())  # one new token per step, batch of 1
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         if text.endswith("\ufffd"):
@@ -69,7 +73,7 @@ class TextStreamer:
         self._write(self.tokenizer.decode(self.ids, skip_special_tokens=True))
         self.out.write("\n")
         self.out.flush()
-        self.ids, self.printed = [], 0
+        self.ids, self.printed, self.prompt_seen = [], 0, False
 
     def _write(self, text):
         self.out.write(text[self.printed:])

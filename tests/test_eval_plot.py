@@ -81,6 +81,7 @@ def test_streamer_prints_exactly_the_decoded_continuation(setup):
     ids = tok("你好，世界！ hello 小模型", add_special_tokens=False).input_ids + [2]
     out = io.StringIO()
     streamer = TextStreamer(tok, out)
+    streamer.put(torch.tensor([[1]]))  # the prompt, as generate() hands it over first: not printed
     chunks = []
     for token in ids:
         streamer.put(torch.tensor([token]))

@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from model.generation import pick_next_token
 from model.model_minimind import (
     MiniMindConfig, MiniMindForCausalLM, causal_lm_loss, count_parameters, register_auto_classes,
 )
@@ -221,6 +222,50 @@ def test_generate_greedy_with_and_without_cache():
     assert cached.shape == (2, 13)
     assert torch.equal(cached, uncached)
     assert torch.equal(cached[:, :5], prompt)
+
+
+def test_generate_takes_transformers_arguments_as_lm_eval_passes_them():
+    model = tiny_model()
+    prompt = random_ids(2, 5)
+    greedy = model.generate(prompt, max_new_tokens=8, eos_token_id=-1)
+    # max_length counts the prompt; max_new_tokens wins where both are given.
+    assert torch.equal(model.generate(prompt, max_length=9, eos_token_id=-1), greedy[:, :9])
+    assert model.generate(prompt, max_length=9, max_new_tokens=2, eos_token_id=-1).shape == (2, 7)
+    # A stopping criterion ends its rows as EOS does: they emit the pad token from then on.
+    stop_row_0 = lambda tokens, scores: torch.tensor([tokens.shape[1] >= 7, False])  # noqa: E731
+    stopped = model.generate(prompt, max_new_tokens=8, eos_token_id=-1, pad_token_id=99, stopping_criteria=stop_row_0)
+    assert torch.equal(stopped[0, :7], greedy[0, :7]) and (stopped[0, 7:] == 99).all()
+    assert torch.equal(stopped[1], greedy[1])
+    # eos_token_id may be a list, as in Qwen3's configs.
+    first = int(greedy[0, 5])
+    assert model.generate(prompt[:1], max_new_tokens=8, eos_token_id=[-1, first]).shape == (1, 6)
+    with pytest.raises(TypeError, match="num_beams"):
+        model.generate(prompt, max_new_tokens=8, num_beams=4)
+
+
+def test_a_streamer_gets_the_prompt_first_then_each_new_token():
+    model = tiny_model()
+    prompt = random_ids(1, 5)
+
+    class Recorder:
+        def __init__(self):
+            self.puts, self.ended = [], False
+
+        def put(self, ids):
+            self.puts.append(ids.reshape(-1).tolist())
+
+        def end(self):
+            self.ended = True
+
+    streamer = Recorder()
+    tokens = model.generate(prompt, max_new_tokens=4, eos_token_id=-1, streamer=streamer)
+    assert streamer.puts == [prompt[0].tolist()] + [[t] for t in tokens[0, 5:].tolist()] and streamer.ended
+
+
+def test_top_p_at_zero_keeps_the_best_token():
+    logits = torch.tensor([[0.1, 3.0, 0.2], [2.0, 0.0, -1.0]])
+    torch.manual_seed(0)
+    assert pick_next_token(logits, True, 1.0, 0, 0.0).tolist() == [1, 0]
 
 
 def test_sampling_with_top_k_1_is_greedy():
