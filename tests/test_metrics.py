@@ -129,6 +129,18 @@ def test_a_resume_keeps_the_metrics_rows_its_checkpoint_trained_past(tmp_path, f
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == steps_kept
 
 
+def test_a_row_cut_off_mid_write_is_dropped_at_a_resume_not_a_traceback(tmp_path, capsys):
+    path = tmp_path / "run_metrics.jsonl"
+    rows = [json.dumps({"kind": "train", "step": step, "tokens_seen": 100 * step}) + "\n" for step in (1, 2)]
+    path.write_text("".join(rows) + '[1, 2]\n{"kind": "train", "step": 3, "tok')  # a full disk, mid-append
+    state = SimpleNamespace(plan=SimpleNamespace(total_steps=10, epochs=1), global_step=2, tokens_seen=200,
+                            wandb_run_id=None)
+    output = SimpleNamespace(save_dir=str(tmp_path), from_resume=1, use_wandb=0)
+    RunLogger(str(path), output, "run", state, {}, enabled=True, clock=None)
+    assert path.read_text() == "".join(rows)
+    assert "dropped 2 row(s) that are not whole JSON objects" in capsys.readouterr().out
+
+
 def test_rows_below_wandb_s_last_step_go_at_its_next_step_not_into_the_void(tmp_path):
     """wandb drops a row logged at a step below its last; after a resume on more processes the
     steps restart lower, so those rows are logged at wandb's own next step instead."""

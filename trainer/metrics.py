@@ -106,6 +106,14 @@ class Throughput:
         return rates
 
 
+def _parsed_row(line: str) -> dict | None:
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    return row if isinstance(row, dict) else None
+
+
 def _wandb_key_available() -> bool:
     """An API key in the environment or from `wandb login` (stored in ~/.netrc)."""
     if os.environ.get("WANDB_API_KEY"):
@@ -146,10 +154,16 @@ class RunLogger:
         """Drop the rows a resumed run will redo, those past the checkpoint's tokens trained (all
         rows for a fresh run: -1). Tokens, not steps: a resume on another world size renumbers
         the steps, and the rows before it keep the numbers they were logged with."""
-        kept = []
+        kept, broken = [], 0
         if tokens_seen >= 0 and os.path.exists(self.path):
-            with open(self.path) as f:
-                kept = [line for line in f if line.strip() and json.loads(line).get("tokens_seen", 0) <= tokens_seen]
+            with open(self.path, errors="replace") as f:
+                for line in filter(str.strip, f):
+                    row = _parsed_row(line)
+                    broken += row is None
+                    if row is not None and row.get("tokens_seen", 0) <= tokens_seen:
+                        kept.append(line)
+        if broken:  # a line cut off by a full disk or a kill mid-append: the log still holds it
+            print(f"warning: {self.path}: dropped {broken} row(s) that are not whole JSON objects", flush=True)
         try:
             atomic_write_text(self.path, "".join(kept), "the metrics")
         except StorageError as exc:
