@@ -14,7 +14,9 @@ from torch.utils.data import Dataset, SequentialSampler, get_worker_info
 
 from common.errors import UserError
 from tests.support import REPO_ROOT
-from trainer.data import MAX_WORKER_TMPDIR, LoaderStalled, check_worker_tmpdir, delivered_batches, make_train_loader
+from trainer.data import (
+    MAX_WORKER_TMPDIR, LoaderStalled, check_worker_tmpdir, delivered_batches, make_train_loader, make_val_loader,
+)
 
 
 class Stalls(Dataset):
@@ -140,3 +142,13 @@ def test_the_longest_temp_folder_allowed_is_the_longest_that_works(monkeypatch, 
                 check_worker_tmpdir(num_workers=1)
         check_worker_tmpdir(num_workers=0)  # no workers, no sockets: any length is fine
 
+
+
+def test_a_validation_set_smaller_than_the_world_is_one_line_not_silence():
+    # Each rank scores whole samples, none twice: 1 sample over 2 ranks would leave both with none,
+    # and the run would validate nothing (or log a loss of 0) without a word.
+    one = [(torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long))]
+    for rank in (0, 1):
+        with pytest.raises(UserError, match="holds 1 samples, fewer than the 2 processes.*--val_fraction"):
+            make_val_loader(one, batch_size=2, eval_batches=1, rank=rank, world_size=2, pin_memory=False)
+    assert [len(b[0]) for b in make_val_loader(one * 3, 2, 1, 1, 2, False)] == [1]  # samples 1 of 0, 1

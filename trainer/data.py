@@ -163,6 +163,10 @@ def make_val_loader(val_set, batch_size: int, eval_batches: int, rank: int, worl
     sample is counted twice; every rank gets as many batches (FSDP needs all of them in
     each forward)."""
     n = min(len(val_set), eval_batches * batch_size * world_size) // world_size * world_size
+    if n == 0:  # the same on every rank, before any collective
+        raise UserError(f"the validation set holds {len(val_set)} samples, fewer than the {world_size} processes, and "
+                        f"each process scores whole samples: hold out more (--val_fraction, --val_data_path), or "
+                        f"pass --val_fraction 0 without --val_data_path to train without validation")
     return DataLoader(Subset(val_set, range(rank, n, world_size)), batch_size=batch_size,
                       num_workers=0, pin_memory=pin_memory)
 
