@@ -68,6 +68,9 @@ def test_a_new_part_is_one_entry_and_reaches_the_totals_and_the_log_row_and_line
     assert window == {"loss": 2.0, "aux_loss": 0.25, "z_loss": 0.1, "grad_norm": 2.0}
     empty = totals.take_window()
     assert set(empty) == set(window) and all(v != v for v in empty.values())  # NaN, not 0 / 0
+    totals.add(result(tokens=0, grad_norm=1.0, finite_norms=1.0, loss=0.0, aux_loss=0.5, z_loss=0.0))  # no reply left
+    no_tokens = totals.take_window()
+    assert no_tokens["loss"] != no_tokens["loss"] and no_tokens["aux_loss"] == 0.5 and no_tokens["grad_norm"] == 1.0
 
     output = type("Output", (), {"save_dir": str(tmp_path), "from_resume": 0, "use_wandb": False})
     log = RunLogger(str(tmp_path / "metrics.jsonl"), output, "p", TrainState(StepPlan(4, 1, 1, 10, 10)), {}, True,

@@ -170,5 +170,6 @@ class StepTotals:
         self.window.zero_()
         if not updates:
             return dict.fromkeys((*AVERAGED, "grad_norm"), math.nan)
-        means = {name: sums[name] / (sums["tokens"] if per == PER_TOKEN else updates) for name, per in AVERAGED.items()}
+        over = {PER_TOKEN: sums["tokens"], PER_MICRO_BATCH: updates}  # no trained token in the window: NaN
+        means = {name: sums[name] / over[per] if over[per] else math.nan for name, per in AVERAGED.items()}
         return {**means, "grad_norm": sums["grad_norm"] / sums["finite_norms"] if sums["finite_norms"] else math.nan}
