@@ -1,6 +1,8 @@
 """trainer/auto.py: what the auto flags become. --dtype auto and --optimizer auto on each kind of
 machine (the hardware facts passed in), a new run's schedule, NorMuon, lrs, weight decay and
 document mask for its optimizer, and a typed or stored value kept."""
+import json
+
 import pytest
 import torch
 
@@ -9,6 +11,9 @@ from trainer.auto import (ADAMW_LR_BESIDE_MUON, ADAMW_LR_BY_WIDTH, fresh_recipe,
                           resolve_ns_steps, resolve_optimizer)
 from trainer.config import TrainConfig, parse_config
 from trainer.metrics import muon_flop_share
+from tests.support import REPO_ROOT
+from tests.support.assertions import assert_clean_exit
+from tests.support.jobs import run_trainer
 
 AMX_XEON = frozenset({"fpu", "avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
 AVX512_BF16_ONLY = frozenset({"avx2", "avx512f", "avx512_bf16"})
@@ -208,3 +213,15 @@ def test_cuda_bf16_detection(monkeypatch, capability, bf16_native, expected):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: bf16_native)
     assert device.cuda_has_native_bf16(torch.device("cuda", 0)) is expected
     assert auto.detect_dtype("auto", torch.device("cuda", 0))[0] == ("bfloat16" if expected else "float16")
+
+
+def test_ranks_on_unlike_hardware_all_take_rank_0_s_decisions(tmp_path):
+    """Rank 1 reads a CPU without bf16, so alone it would train in fp32 while rank 0 trains in
+    bf16 (and on GPUs of unlike kinds, one side with Muon and the other with AdamW, each then
+    waiting in collectives the other never joins): every rank takes rank 0's reading."""
+    prefix = tmp_path / "auto"
+    result = run_trainer([prefix], tmp_path, nproc=2, mode="forked", timeout=120,
+                         script=REPO_ROOT / "tests" / "support" / "auto_worker.py")
+    assert_clean_exit(result.returncode, result.stdout, "2-process resolve_auto")
+    decided = [json.loads(prefix.with_name(f"auto_rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert decided[0] == decided[1] == {"dtype": "bfloat16", "optimizer": "muon"}, decided

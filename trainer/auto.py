@@ -16,7 +16,7 @@ import numpy
 import torch
 
 from trainer.device import cuda_has_native_bf16, native_bf16_cpu_flags, read_cpu_flags
-from trainer.distributed import Logger
+from trainer.distributed import Logger, broadcast_from_main
 from trainer.metrics import muon_flop_share
 from trainer.optim import NS_STEPS
 
@@ -163,8 +163,8 @@ def fresh_recipe(hidden_size: int, optimizer: str) -> dict:
 
 def resolve_auto(cfg, origin: dict, device, sharded: bool, lm_config, tokens_per_step: int):
     """The TrainConfig with every auto flag decided, each logged once with its reason, and marked
-    resolved. origin: where each flag's value came from (trainer/resume_config.py; a flag
-    missing there is a default)."""
+    resolved; rank 0's decisions on every rank (a broadcast). origin: where each flag's value
+    came from (trainer/resume_config.py; a flag missing there is a default)."""
     why = {"typed": "--{}", "stored": "the checkpoint's", "default": "this stage's default"}
     reasons = {name: why[origin.get(name, "default")].format(name) for name in AUTO_FLAGS}
     values = {}
@@ -195,6 +195,10 @@ def resolve_auto(cfg, origin: dict, device, sharded: bool, lm_config, tokens_per
     chosen_by_auto = "auto" in (cfg.optim.optimizer, cfg.optim.normuon)
     if optimizer != "muon" and values["normuon"] and chosen_by_auto:
         values["normuon"], reasons["normuon"] = 0, f"--optimizer {optimizer}: NorMuon is Muon's"
+    # Each rank read its own hardware; rank 0's reading decides for all (a collective: every rank
+    # calls this), so ranks on unlike nodes cannot split into Muon and AdamW, or bf16 and fp32,
+    # and then wait on each other's collectives.
+    values, reasons = broadcast_from_main((values, reasons))
     for name in AUTO_FLAGS:
         Logger(f"{name}: {values[name]} ({reasons[name]})")
     return dataclasses.replace(cfg.replace(**values), resolved=True)
