@@ -6,8 +6,8 @@ user, assistant and tool. An assistant turn may carry "reasoning_content" and "t
 a system turn "tools" (function specs); both lists come as JSON strings in MiniMind's files,
 or as JSON lists. Every turn renders as one block:
 
-    system     <|im_start|>system\\n{content}<|im_end|>\\n                 (the first turn only; with
-               tools, the tools block follows the content; a later system turn renders as a user's)
+    system     <|im_start|>system\\n{content}<|im_end|>\\n                 (the first turn's tools block
+               follows its content; a later system turn renders alike, its tools not read)
     user       <|im_start|>user\\n{content}<|im_end|>\\n
     assistant  <|im_start|>assistant\\n<think>\\n{reasoning}\\n</think>\\n\\n{content}{tool calls}<|im_end|>\\n
     tool       <|im_start|>user\\n<tool_response>\\n{content}\\n</tool_response><|im_end|>\\n   (consecutive

@@ -9,7 +9,8 @@ On disk:
                      also "max_token_id" with the .bin's size and mtime when it was counted
 
 Window i is stream[i*T : i*T + T + 1]. Consecutive windows share one boundary token, so every
-token of the stream except the very first is a prediction target exactly once.
+token of the stream except the very first, and a tail shorter than a window, is a prediction
+target exactly once.
 
 The stream may also be a directory of such files (dataset/shards.py), read as their
 concatenation: the windows are the same as those of one file holding all of it.

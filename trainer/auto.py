@@ -65,7 +65,7 @@ def resolve_optimizer(device_type: str, dtype: str, cpu_flags=frozenset(), param
     Newton-Schulz must run in a precision the hardware does natively: fp32 on every CPU, bf16
     on CPUs and GPUs with native bf16 (not fp16 runs, whose Newton-Schulz would be fp32, nor
     emulated bf16). And its work, `muon_share` of the step's forward and backward FLOPs
-    (trainer/metrics.py's muon_flop_share), must stay within the bound: at most 1.0 (double the step's FLOPs).
+    (trainer/metrics.py's muon_flop_share), must stay within the bound: at most MUON_STEP_BOUND - 1.
     """
     if param_groups == "single":
         return "adamw", "auto: --param_groups single is AdamW on everything"
