@@ -58,14 +58,18 @@ def read_checkpoint(path):
     except Exception as e:
         raise WeightsError(f"{path}: cannot be read by torch.load ({type(e).__name__}): "
                            f"pass a .pth written by the trainer") from None
-    if is_resume_checkpoint(obj):
+    if is_resume_checkpoint(obj) and _is_state_dict(obj["model"]):
         state, stored = obj["model"], obj["model_config"]
-    elif isinstance(obj, dict) and obj and all(torch.is_tensor(v) for v in obj.values()):
+    elif _is_state_dict(obj):
         state, stored = obj, read_sidecar(path)
     else:
         raise WeightsError(f"{path}: neither a weights file (name -> tensor) nor a resume checkpoint "
                            f"(dict with 'model' and 'model_config'): pass a .pth written by the trainer")
     return _strip_wrapper_prefixes(state), stored
+
+
+def _is_state_dict(obj) -> bool:
+    return isinstance(obj, dict) and bool(obj) and all(isinstance(k, str) and torch.is_tensor(v) for k, v in obj.items())
 
 
 def sidecar_path(weight_path):
@@ -122,11 +126,12 @@ def load_weights(path):
 
 def _strip_wrapper_prefixes(state):
     # DDP ("module.") and torch.compile ("_orig_mod.") prefix every name when a
-    # wrapped model is saved as is; the weights underneath are the same.
+    # wrapped model is saved as is; the weights underneath are the same. Both may be there, in
+    # either order: a compiled DDP model and a DDP-wrapped compiled one.
     clean = {}
     for name, tensor in state.items():
-        for prefix in ("module.", "_orig_mod."):
-            name = name.removeprefix(prefix)
+        while name.startswith(("module.", "_orig_mod.")):
+            name = name.partition(".")[2]
         clean[name] = tensor
     return clean
 

@@ -61,6 +61,22 @@ def test_read_checkpoint_refuses_the_payload_in_one_line(tmp_path):
     assert "\n" not in message and "refused" in message and "posix.system" in message, message
 
 
+@pytest.mark.parametrize("content", [
+    {1: torch.zeros(2)},  # a name that is not a string
+    {"model": [torch.zeros(2)], "model_config": {}},  # a resume checkpoint whose model is no state_dict
+    {"model": {"w": 3}, "model_config": {}},  # ... or holds a number
+])
+def test_a_pth_of_plain_containers_but_not_weights_is_one_line(tmp_path, content):
+    torch.save(content, tmp_path / "odd.pth")
+    with pytest.raises(WeightsError, match="neither a weights file .* nor a resume checkpoint"):
+        read_checkpoint(tmp_path / "odd.pth")
+
+
+def test_wrapper_prefixes_go_in_either_order(tmp_path):
+    torch.save({"_orig_mod.module.a": torch.zeros(1), "module._orig_mod.b": torch.ones(1)}, tmp_path / "w.pth")
+    assert sorted(read_checkpoint(tmp_path / "w.pth")[0]) == ["a", "b"]
+
+
 # -----------------------------------------------------------------------------
 # the three entry points, as processes
 
