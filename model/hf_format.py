@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 from common.errors import WeightsError
 
 from .model_minimind import MiniMindConfig
+from .shape_flags import shape_problem
 
 # Config fields that mean the same in MiniMindConfig and in transformers' Qwen3Config
 # (dense) or Qwen3MoeConfig (MoE), under the same name: copied as they are both ways.
@@ -84,15 +85,24 @@ def hf_to_state_dict(hf_dir):
         raise WeightsError(f"{hf_dir}: no config.json there: "
                            f"pass --hf_dir a folder written by scripts/convert_model.py")
     model_type = _json_of(config_file, "the model config").get("model_type")
-    if model_type == "minimind":
-        config = MiniMindConfig.from_pretrained(hf_dir)
-    elif model_type in ("qwen3", "qwen3_moe"):
-        from transformers import AutoConfig
-
-        config = minimind_config_from_qwen3(AutoConfig.from_pretrained(hf_dir), hf_dir)
-    else:
+    if model_type not in ("minimind", "qwen3", "qwen3_moe"):
         raise WeightsError(f"{hf_dir}: model_type {model_type!r} is not one of minimind, qwen3, qwen3_moe: "
                            f"cannot convert")
+    redo = "re-export the folder with scripts/convert_model.py"
+    try:
+        if model_type == "minimind":
+            config = MiniMindConfig.from_pretrained(hf_dir)
+        else:
+            from transformers import AutoConfig
+
+            config = minimind_config_from_qwen3(AutoConfig.from_pretrained(hf_dir), hf_dir)
+        problem = shape_problem(config.to_dict())
+    except WeightsError:
+        raise
+    except Exception as e:  # whatever else a config the converter did not write holds
+        problem = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    if problem:
+        raise WeightsError(f"{config_file}: not a model config that makes a model ({problem}): {redo}")
     state = split_fused_experts(_read_safetensors(hf_dir))
     state.setdefault("lm_head.weight", state.get("model.embed_tokens.weight"))
     return state, config
@@ -120,9 +130,10 @@ def _read_safetensors(hf_dir):
     index = hf_dir / "model.safetensors.index.json"
     if index.is_file():
         weight_map = _json_of(index, "the safetensors index").get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise WeightsError(f"{index}: the safetensors index has no weight_map: re-export the folder with "
-                               f"scripts/convert_model.py")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) and Path(f).name == f
+                                                       for f in weight_map.values()):
+            raise WeightsError(f"{index}: the safetensors index has no weight_map of file names in the folder: "
+                               f"re-export the folder with scripts/convert_model.py")
         files = sorted(set(weight_map.values()))
     elif (hf_dir / "model.safetensors").is_file():
         files = ["model.safetensors"]

@@ -200,6 +200,32 @@ def test_a_corrupt_safetensors_is_one_line(tmp_path):
         read_checkpoint(tmp_path / "bad.safetensors")
 
 
+QWEN3 = {"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "vocab_size": 6400,
+         "tie_word_embeddings": True}
+
+
+@pytest.mark.parametrize("config,says", [
+    ({"model_type": "minimind", "hidden_size": "64"}, "TypeError"),
+    ({**QWEN3, "eos_token_id": []}, "IndexError"),
+    ({**QWEN3, "head_dim": 15}, "not a model config"),  # transformers' own check says it
+    ({**QWEN3, "num_key_value_heads": 3}, "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+])
+def test_an_export_whose_config_makes_no_model_is_one_line(tmp_path, config, says):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(WeightsError) as info:
+        load_model(hf_dir=tmp_path)
+    message = str(info.value)
+    assert "\n" not in message and "config.json: not a model config" in message and says in message, message
+
+
+def test_an_export_index_naming_no_files_is_one_line(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": 3}}))
+    with pytest.raises(WeightsError, match="no weight_map of file names in the folder"):
+        load_model(hf_dir=tmp_path)
+
+
 # -----------------------------------------------------------------------------
 # what the trainer writes still loads
 
