@@ -74,6 +74,11 @@ def write_meta(bin_path, *, vocab_size, num_tokens, num_docs, bos_token_id, eos_
     return meta
 
 
+def not_counts(meta: dict, keys) -> list[str]:
+    """The keys whose values are not non-negative integers (a bool is no count)."""
+    return [k for k in keys if isinstance(meta[k], bool) or not isinstance(meta[k], int) or meta[k] < 0]
+
+
 def read_meta(bin_path, format_=FORMAT):
     """Read and check the sidecar of bin_path, including that the .bin has the size it promises."""
     bin_path, side = Path(bin_path), meta_path(bin_path)
@@ -96,7 +101,7 @@ def read_meta(bin_path, format_=FORMAT):
     missing = [k for k in META_KEYS if k not in meta]
     if missing:
         raise DataError(f"{side}: corrupt metadata, missing {', '.join(missing)}; {RERUN}")
-    not_ints = [k for k in META_KEYS[2:7] if not isinstance(meta[k], int) or meta[k] < 0]
+    not_ints = not_counts(meta, META_KEYS[2:7])
     if not_ints:
         raise DataError(f"{side}: corrupt metadata, {', '.join(not_ints)} not a non-negative "
                         f"integer; {RERUN}")
@@ -129,6 +134,7 @@ class PackedPretrainDataset(Dataset):
         self.max_length = max_length
         self.meta = meta
         check_fits(name, meta, max_length, vocab_size, tokenizer)
+        shards = [(path, n) for path, n in shards if n > 0]  # an empty shard holds no window and cannot be mapped
         if vocab_size is not None:
             for path, _ in shards:
                 check_token_ids(path, DTYPES[meta["dtype"]], vocab_size)
@@ -197,8 +203,10 @@ def largest_token_id(bin_path, dtype, chunk=1 << 26) -> int:
         meta = json.loads(side.read_text())
         if (meta.get("bin_bytes"), meta.get("bin_mtime_ns")) == (stat.st_size, stat.st_mtime_ns):
             return int(meta["max_token_id"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # AttributeError: not a JSON object
         pass
+    if stat.st_size == 0:
+        return -1  # np.memmap cannot map an empty file
     tokens = np.memmap(bin_path, dtype=dtype, mode="r")
     return max((int(tokens[i:i + chunk].max()) for i in range(0, len(tokens), chunk)), default=-1)
 

@@ -198,6 +198,36 @@ def test_a_token_id_past_the_vocab_in_one_shard_names_that_shard_in_one_line(tmp
     assert "step 1/" not in result.stdout  # failed at open, before the first step
 
 
+def test_an_empty_shard_among_others_is_read_past(tmp_path):
+    from dataset.shards import write_manifest
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    names = ("0-a.bin", "1-b.bin", "2-c.bin")
+    for name, stream in zip(names, ([1, 5, 6, 2], [], [1, 7, 8, 2])):
+        write_stream(shards / name, stream)
+    write_manifest(shards, {"dtype": "uint16", "vocab_size": 400, "bos_token_id": 1, "eos_token_id": 2,
+                            "tokenizer": "hand-made"},
+                   [{"path": name, "num_tokens": n, "num_docs": 1} for name, n in zip(names, (4, 0, 4))], runs=[])
+    (shards / "2-c.bin.json").write_text("[]")  # a shard sidecar that is no JSON object: its ids are counted
+    ds = ShardedPackedDataset(shards, max_length=3, vocab_size=400)
+    assert [ds[i][0].tolist() for i in range(len(ds))] == [[1, 5, 6], [2, 1, 7]]
+
+
+@pytest.mark.parametrize("key,value", [("vocab_size", "6400"), ("num_docs", -1), ("bos_token_id", True)])
+def test_a_manifest_value_that_is_no_count_is_one_line(tmp_path, key, value):
+    from dataset.shards import write_manifest
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    write_stream(shards / "0-a.bin", np.full(64, 9), vocab_size=6400)
+    common = {"dtype": "uint16", "vocab_size": 6400, "bos_token_id": 1, "eos_token_id": 2, "tokenizer": "hand-made"}
+    manifest = write_manifest(shards, common, [{"path": "0-a.bin", "num_tokens": 64, "num_docs": 1}], runs=[])
+    (shards / "manifest.json").write_text(json.dumps({**manifest, key: value}))
+    with pytest.raises(DataError, match=f"corrupt manifest \\({key} not a non-negative integer\\)"):
+        ShardedPackedDataset(shards, max_length=16, vocab_size=6400)
+
+
 def test_the_recorded_largest_id_is_trusted_only_for_the_file_it_was_counted_on(tmp_path):
     from dataset.packed_dataset import largest_token_id
 
