@@ -141,7 +141,7 @@ class ShardDirectory:
             raise DataError(f"--out_path {self.dir}: is a file; pass a directory for shards, or a .bin path")
         self.prep.mkdir(parents=True, exist_ok=True)
         self._check_plan({"inputs": [[p.name, p.stat().st_size] for _, p in inputs],
-                          **{k: common[k] for k in SHARED_KEYS},
+                          **{k: common[k] for k in (*SHARED_KEYS, "tokenizer_sha256")},
                           "shard_tokens": shard_tokens, "text_column": text_column})
         self.shard, self.parts, self.files, self.max_token_ids = None, [], [], {}
 
@@ -149,6 +149,7 @@ class ShardDirectory:
         path = self.prep / "plan.json"
         if path.is_file():
             old = json.loads(path.read_text())
+            old.setdefault("tokenizer_sha256", plan["tokenizer_sha256"])  # a plan from before it was recorded
             differing = [k for k in plan if old.get(k) != plan[k]]
             if differing:
                 raise DataError(f"--out_path {self.dir}: holds shards made with other {differing[0]} "

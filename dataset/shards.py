@@ -95,6 +95,9 @@ def find_token_shards(source, flag="--data_path"):
         shards.append((bin_path, metas[-1]["num_tokens"]))
     for (bin_path, _), meta in zip(shards, metas):
         differing = [k for k in SHARED_KEYS if meta[k] != metas[0][k]]
+        ours, first = meta.get("tokenizer_sha256"), metas[0].get("tokenizer_sha256")
+        if ours and first and ours != first:  # the tokenizer itself (sidecars from before it was recorded lack it)
+            differing.append("tokenizer_sha256")
         if differing:
             key = differing[0]
             raise DataError(f"{bin_path}: {key} {meta[key]} differs from {metas[0][key]} in {shards[0][0].name}; "

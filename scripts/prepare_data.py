@@ -19,6 +19,7 @@ the corpus. Output goes to temp names renamed only once complete.
 """
 
 import argparse
+import hashlib
 import itertools
 import os
 import resource
@@ -113,6 +114,16 @@ def check_input(path, text_column):
         next(iter_raw_lines(path))
 
 
+def stream_common(tokenizer, tokenizer_path) -> dict:
+    """What every file of one tokenization shares (the sidecars, a shard directory's plan and
+    manifest): the token dtype, the vocabulary, BOS and EOS, and the tokenizer by path and by
+    content, so that a rerun with another tokenizer of the same size is caught."""
+    identity = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()
+    return {"dtype": dtype_for_vocab(len(tokenizer)), "vocab_size": len(tokenizer),
+            "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+            "tokenizer": str(tokenizer_path), "tokenizer_sha256": identity}
+
+
 def prepare(data_path, out_path, tokenizer_path=None, num_proc=None, skip_bad_lines=False,
             chunk_lines=1000, text_column="text", shard_tokens=0, num_shards=1, shard_index=0):
     """Tokenize data_path into out_path (a .bin, or a shard directory). Returns a dict of
@@ -134,9 +145,7 @@ def prepare(data_path, out_path, tokenizer_path=None, num_proc=None, skip_bad_li
     tokenizer = load_tokenizer(tokenizer_path)
     if tokenizer.bos_token_id is None or tokenizer.eos_token_id is None:
         raise DataError(f"{tokenizer_path}: tokenizer has no BOS or EOS token; packing needs both")
-    common = {"dtype": dtype_for_vocab(len(tokenizer)), "vocab_size": len(tokenizer),
-              "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
-              "tokenizer": str(tokenizer_path)}
+    common = stream_common(tokenizer, tokenizer_path)
 
     if single:
         out, todo = StreamWriter(out_path, common), mine
@@ -174,9 +183,7 @@ def prepare_sft(data_path, out_path, tokenizer_path=None, num_proc=None, chunk_l
     inputs = resolve_data_paths(data_path, (".jsonl",))
     tokenizer_path = Path(tokenizer_path) if tokenizer_path else REPO_ROOT / "model"
     tokenizer = load_tokenizer(tokenizer_path)
-    common = {"dtype": dtype_for_vocab(len(tokenizer)), "vocab_size": len(tokenizer),
-              "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
-              "tokenizer": str(tokenizer_path)}
+    common = stream_common(tokenizer, tokenizer_path)
     tasks = ((str(path), chunk) for path in inputs for chunk in _line_chunks(path, chunk_lines))
     out = SFTWriter(out_path, common)
     try:

@@ -4,6 +4,7 @@ shard directory as one stream, each window once per epoch, with few open files."
 import json
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -123,6 +124,18 @@ def test_a_directory_made_from_other_inputs_is_refused(tmp_path, tok_dir):
     prepare(tmp_path / "data", tmp_path / "out", tok_dir, num_proc=1)
     with pytest.raises(DataError, match="holds shards made with other inputs"):
         prepare(tmp_path / "data" / "part0.jsonl", tmp_path / "out", tok_dir, num_proc=1)
+
+
+def test_a_directory_made_with_another_tokenizer_of_the_same_size_is_refused(tmp_path, tok_dir):
+    other = tmp_path / "other_tokenizer"
+    shutil.copytree(tok_dir, other)
+    spec = json.loads((other / "tokenizer.json").read_text())
+    spec["added_tokens"][0]["lstrip"] = not spec["added_tokens"][0]["lstrip"]  # same size, other tokens
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    split_corpus(tmp_path / "data")
+    prepare(tmp_path / "data", tmp_path / "out", tok_dir, num_proc=1, num_shards=3, shard_index=0)
+    with pytest.raises(DataError, match="holds shards made with other tokenizer_sha256"):
+        prepare(tmp_path / "data", tmp_path / "out", other, num_proc=1, num_shards=3, shard_index=1)
 
 
 # ---------------------------------------------------------------------------- Parquet
@@ -326,6 +339,11 @@ def test_shards_of_two_tokenizers_are_refused(tmp_path):
     meta = json.loads((folder / "s001.bin.json").read_text())
     (folder / "s001.bin.json").write_text(json.dumps(dict(meta, eos_token_id=3)))
     with pytest.raises(DataError, match=r"s001\.bin: eos_token_id 3 differs from 2 in s000\.bin"):
+        ShardedPackedDataset(folder, 4)
+    for name, identity in (("s000", "a" * 64), ("s001", "b" * 64)):  # and one tokenizer's twin of the same size
+        meta = json.loads((folder / f"{name}.bin.json").read_text())
+        (folder / f"{name}.bin.json").write_text(json.dumps(dict(meta, eos_token_id=2, tokenizer_sha256=identity)))
+    with pytest.raises(DataError, match=r"s001\.bin: tokenizer_sha256 b+ differs from a+ in s000\.bin"):
         ShardedPackedDataset(folder, 4)
 
 
