@@ -115,6 +115,11 @@ def test_resolve_optimizer(device_type, dtype, cpu_flags, groups, expected):
     assert why.startswith("auto: ")
 
 
+def test_a_typed_bf16_on_a_gpu_that_emulates_it_takes_adamw():
+    assert resolve_optimizer("cuda", "bfloat16", cuda_bf16=False)[0] == "adamw"  # a V100 with --dtype bfloat16
+    assert resolve_optimizer("cuda", "float32", cuda_bf16=False)[0] == "muon"
+
+
 @pytest.mark.parametrize("share, expected", [(0.0, "muon"), (0.5966, "muon"), (0.6, "muon"), (0.61, "adamw"),
                                              (0.9539, "adamw"), (1.35, "adamw")])
 def test_auto_takes_adamw_where_newton_schulz_would_add_more_than_the_bound(share, expected):

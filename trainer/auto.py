@@ -58,14 +58,15 @@ MUON_STEP_BOUND = 1.6
 
 
 def resolve_optimizer(device_type: str, dtype: str, cpu_flags=frozenset(), param_groups: str = "split",
-                      muon_share: float = 0.0) -> tuple[str, str]:
+                      muon_share: float = 0.0, cuda_bf16: bool = True) -> tuple[str, str]:
     """(optimizer name, why) for --optimizer auto, once the run's dtype is known.
 
     Muon where a Muon step costs at most MUON_STEP_BOUND AdamW steps. That takes two things.
     Newton-Schulz must run in a precision the hardware does natively: fp32 on every CPU, bf16
     on CPUs and GPUs with native bf16 (not fp16 runs, whose Newton-Schulz would be fp32, nor
-    emulated bf16). And its work, `muon_share` of the step's forward and backward FLOPs
-    (trainer/metrics.py's muon_flop_share), must stay within the bound: at most MUON_STEP_BOUND - 1.
+    emulated bf16: `cpu_flags`, `cuda_bf16`). And its work, `muon_share` of the step's forward and
+    backward FLOPs (trainer/metrics.py's muon_flop_share), must stay within the bound: at most
+    MUON_STEP_BOUND - 1.
     """
     if param_groups == "single":
         return "adamw", "auto: --param_groups single is AdamW on everything"
@@ -75,6 +76,8 @@ def resolve_optimizer(device_type: str, dtype: str, cpu_flags=frozenset(), param
     if dtype == "bfloat16" and device_type == "cpu" and not native_bf16_cpu_flags(cpu_flags):
         return "adamw", ("auto: bf16 is emulated on this CPU, where Muon's bf16 Newton-Schulz made a step "
                          "about 6x an AdamW step")
+    if dtype == "bfloat16" and device_type == "cuda" and not cuda_bf16:
+        return "adamw", "auto: bf16 (typed) is emulated on this GPU, and Newton-Schulz would run in it"
     allowed = MUON_STEP_BOUND - 1
     if muon_share > allowed:
         return "adamw", (f"auto: Muon's Newton-Schulz would add {muon_share:.0%} to each step's FLOPs, over the "
@@ -116,8 +119,10 @@ def detect_dtype(flag: str, device: torch.device, sharded: bool = False) -> tupl
 def detect_optimizer(device: torch.device, dtype: str, param_groups: str = "split",
                      muon_share: float = 0.0) -> tuple[str, str]:
     """resolve_optimizer with this machine's facts."""
-    cpu_flags = read_cpu_flags() if device.type == "cpu" else frozenset()
-    return resolve_optimizer(device.type, dtype, cpu_flags, param_groups, muon_share)
+    on_cuda = device.type == "cuda"
+    cpu_flags = frozenset() if on_cuda else read_cpu_flags()
+    return resolve_optimizer(device.type, dtype, cpu_flags, param_groups, muon_share,
+                             cuda_bf16=cuda_has_native_bf16(device) if on_cuda else True)
 
 
 # ---------------------------------------------------------------------------- a new run's recipe
