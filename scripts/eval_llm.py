@@ -172,7 +172,7 @@ def conversation_loss(model, tokenizer, path, max_docs=None, max_seq_len=512, ba
     device = next(model.parameters()).device
     batches = list(DataLoader(data, batch_size=batch_size))
     loss, bpb = evaluate(model, batches, nullcontext(), device, token_byte_lengths(tokenizer, model.config.vocab_size))
-    return len(data), sum(int((targets != IGNORE_INDEX).sum()) for _, targets in batches), loss, bpb
+    return len(data), sum(int((batch[1] != IGNORE_INDEX).sum()) for batch in batches), loss, bpb
 
 
 def is_conversations(path) -> bool:
