@@ -164,10 +164,14 @@ class CheckpointManager:
 
     def _rotate(self, path: str):
         """Once `path` is whole: remove the checkpoints it takes the place of (earlier saves at a
-        step of the same number), then all but the newest --keep_last."""
+        step of the same number), then all but `path` and the --keep_last - 1 newest behind it.
+        One that sorts ahead of `path` holds more progress: a resume skipped it as unusable, so it
+        is neither counted nor removed (it would otherwise leave `path` itself to the rotation)."""
         step, copy = re.search(STEP_NAME, path).group(1, 2)
         replaced = [step_path(self.folder, self.prefix, int(step), self.sharded, c) for c in range(1, int(copy or 1))]
-        for old in replaced + list_checkpoints(self.folder, self.prefix)[max(1, self.keep_last):]:
+        ordered = list_checkpoints(self.folder, self.prefix)
+        behind = ordered[ordered.index(path) + 1:] if path in ordered else []
+        for old in replaced + behind[max(0, self.keep_last - 1):]:
             remove_quietly(f"{old}.json")  # unrecord first: a kill in between leaves an ignored leftover
             remove_quietly(old)
 

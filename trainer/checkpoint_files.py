@@ -123,6 +123,9 @@ def verify_checkpoint(path: str, needs=(), weight_keys=ModelState.keys) -> dict:
         raise ValueError(f"its record {os.path.basename(record_path)} cannot be read ({exc.strerror})") from None
     except (ValueError, KeyError, TypeError):
         raise ValueError(f"unreadable record {os.path.basename(record_path)}") from None
+    if not isinstance(recorded, dict) or not all(isinstance(e, dict) and {"size", "sha256"} <= e.keys()
+                                                 for e in recorded.values()):
+        raise ValueError(f"unreadable record {os.path.basename(record_path)} (its files are not name -> size, sha256)")
     try:
         actual = file_records(path)
     except OSError as exc:

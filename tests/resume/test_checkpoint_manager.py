@@ -210,6 +210,33 @@ def test_an_unverifiable_newest_is_skipped_and_all_unusable_stops(tmp_path, caps
         manager(tmp_path).latest()
 
 
+def test_a_skipped_newest_never_costs_the_saves_after_the_resume(tmp_path):
+    """1 process saves steps 2, 4 and 6; step 6 is found damaged, and the resume on 2 processes
+    starts from step 4 (2 processes' step 2), whose next save, step 3, holds fewer tokens than
+    step 6. With --keep_last 1 the rotation keeps that save: the damaged step 6, which sorts
+    ahead of it, is neither counted nor removed."""
+    for step in (2, 4, 6):
+        save_at(tmp_path, step, tokens=100 * step, run_number=1)
+    damaged = step_path(str(tmp_path), PREFIX, 6)
+    with open(damaged, "r+b") as f:
+        f.truncate(100)
+    assert manager(tmp_path).latest()["global_step"] == 4
+    path = save_at(tmp_path, 3, tokens=500, keep_last=1, run_number=1)
+    assert [Path(p).name for p in list_checkpoints(str(tmp_path), PREFIX)] == \
+        [Path(damaged).name, Path(path).name]
+    assert manager(tmp_path).latest()["tokens_seen"] == 500  # the damaged one skipped again, the new one used
+
+
+@pytest.mark.parametrize("record", [{"files": []}, {"files": {"x.pth": 3}}, {"files": {"x.pth": {"size": 1}}}])
+def test_a_record_of_the_wrong_shape_is_skipped_like_a_damaged_one(tmp_path, capsys, record):
+    for step in (2, 4):
+        save_at(tmp_path, step)
+    newest = step_path(str(tmp_path), PREFIX, 4)
+    Path(f"{newest}.json").write_text(json.dumps({**json.loads(Path(f"{newest}.json").read_text()), **record}))
+    assert manager(tmp_path).latest()["global_step"] == 2
+    assert f"skipping checkpoint {newest}: unreadable record" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("left_out", ["scaler", "rng"])
 def test_a_newest_checkpoint_without_one_of_the_parts_gives_way_to_the_one_before(tmp_path, capsys, left_out):
     """A checkpoint that lacks the entry of one of this run's parts (written by a version
