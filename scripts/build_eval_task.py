@@ -37,7 +37,6 @@ may then come from documents the quick start trains on. scripts/quickstart.sh an
 scripts/bench/bench_quality.py check before they use the committed task, and build one from the
 corpus at hand when it does not hold.
 """
-import argparse
 import json
 import random
 import re
@@ -47,6 +46,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from common.cli import OneLineArgumentParser  # noqa: E402
 from common.storage import atomic_write_text  # noqa: E402
 from common.errors import report_user_errors  # noqa: E402
 from common.errors import DataError  # noqa: E402
@@ -179,7 +179,7 @@ def task_misfit(task_path, data_path, every, overlap_chars=40):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = OneLineArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data_path", required=True, help='JSONL corpus, one {"text": ...} per line')
     p.add_argument("--every", type=int, default=25, help="held-out documents: every N-th (the quick start's 25)")
     p.add_argument("--out", help="task JSONL to write")

@@ -18,7 +18,6 @@ chunk's tokens are appended to the output as it arrives, so memory does not grow
 the corpus. Output goes to temp names renamed only once complete.
 """
 
-import argparse
 import hashlib
 import itertools
 import os
@@ -34,6 +33,7 @@ sys.path.insert(0, str(REPO_ROOT))
 import numpy as np
 from tqdm import tqdm
 
+from common.cli import OneLineArgumentParser
 from common.errors import DataError, report_user_errors, storage_error
 from dataset.chat import encode_many, parse_conversation, render
 from dataset.lm_dataset import iter_raw_lines, load_tokenizer
@@ -253,7 +253,7 @@ def write_all(out, todo, chunk_lines, num_proc, skip_bad_lines, init_args):
 
 @report_user_errors
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Tokenize a corpus into a packed token stream or shards")
+    parser = OneLineArgumentParser(description="Tokenize a corpus into a packed token stream or shards")
     parser.add_argument("--data_path", required=True,
                         help='a .jsonl or .parquet file, a directory of them, or a quoted glob like "data/*.jsonl"')
     parser.add_argument("--out_path", required=True,
@@ -272,6 +272,9 @@ def main(argv=None):
                         help="conversations ({\"conversations\": [...]} lines) for train_full_sft.py: one .bin "
                              "of their tokens with their loss spans (.bin.blocks)")
     args = parser.parse_args(argv)
+    for name, least in (("chunk_lines", 1), ("shard_tokens", 0), ("num_shards", 1)):
+        if getattr(args, name) < least:
+            parser.error(f"--{name} must be at least {least}, got {getattr(args, name)}")
     if args.sft:
         stats = prepare_sft(args.data_path, args.out_path, args.tokenizer_path, args.num_proc, args.chunk_lines)
         print(f"{stats['conversations']:,} conversations, {stats['tokens']:,} tokens ({stats['trained_tokens']:,} "

@@ -13,13 +13,13 @@ Lines are copied byte for byte (prepare_data.py validates them later); blank lin
 are dropped. Both outputs are written to temp files and renamed into place once both
 are on disk (common/storage.py).
 """
-import argparse
 import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from common.cli import OneLineArgumentParser  # noqa: E402
 from common.errors import DataError, report_user_errors  # noqa: E402
 from common.storage import AtomicFile  # noqa: E402
 from dataset.lm_dataset import iter_raw_lines  # noqa: E402
@@ -38,6 +38,10 @@ def split_corpus(data_path, train_out, val_out, every=50):
     if every < 2:
         raise DataError(f"--every must be at least 2 (1 would leave nothing to train on), got {every}")
     train_out, val_out = Path(train_out), Path(val_out)
+    paths = {"--train_out": train_out, "--val_out": val_out, "--data_path": Path(data_path)}
+    if len({path.resolve() for path in paths.values()}) < 3:
+        raise DataError(f"{', '.join(f'{flag} {path}' for flag, path in paths.items())}: the three must be different "
+                        f"files (the outputs would overwrite each other or the corpus); pass other paths")
     counts = {train_out: 0, val_out: 0}
     for path in counts:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -56,7 +60,7 @@ def split_corpus(data_path, train_out, val_out, every=50):
 
 @report_user_errors
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = OneLineArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data_path", required=True, help='JSONL corpus, one {"text": ...} per line')
     p.add_argument("--train_out", required=True, help="JSONL to write the training documents to")
     p.add_argument("--val_out", required=True, help="JSONL to write the held-out documents to")

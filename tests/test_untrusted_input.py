@@ -361,3 +361,26 @@ def test_script_flags_are_one_line_rc_2(weights, script, argv, expected, capsys)
         (eval_main if script == "eval" else convert_main)(["--weight_path", str(pth), *shape, *argv])
     err = capsys.readouterr().err.strip()
     assert info.value.code == 2 and "\n" not in err and expected in err, err
+
+
+@pytest.mark.parametrize("script, argv, expected", [
+    ("prepare_data", ["--chunk_lines", "0"], "--chunk_lines must be at least 1, got 0"),
+    ("prepare_data", ["--shard_tokens", "-5"], "--shard_tokens must be at least 0, got -5"),
+    ("prepare_data", ["--num_shards", "0"], "--num_shards must be at least 1, got 0"),
+    ("prepare_data", ["--bogus"], "unrecognized arguments: --bogus"),
+    ("split_corpus", ["--train_out", "same.jsonl", "--val_out", "same.jsonl"], "the three must be different files"),
+    ("split_corpus", ["--train_out", "t.jsonl", "--val_out", "v.jsonl", "--bogus"], "unrecognized arguments: --bogus"),
+    ("build_eval_task", ["--every", "0"], "--every must be at least 1, got 0"),
+])
+def test_data_script_flags_are_one_line(tmp_path, monkeypatch, capsys, script, argv, expected):
+    import importlib
+
+    monkeypatch.chdir(tmp_path)
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(9)))
+    out = ["--out_path", "c.bin"] if script == "prepare_data" else []
+    with pytest.raises(SystemExit) as info:
+        importlib.import_module(f"scripts.{script}").main(["--data_path", str(corpus), *out, *argv])
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 2 and "\n" not in err and expected in err, err
+    assert not (tmp_path / "same.jsonl").exists()
