@@ -118,14 +118,11 @@ def verify_checkpoint(path: str, needs=(), weight_keys=ModelState.keys) -> dict:
         raise ValueError("no size/checksum record (its save was interrupted)")
     try:
         with open(record_path) as f:
-            recorded = json.load(f)["files"]
+            recorded = {name: {"size": e["size"], "sha256": e["sha256"]} for name, e in json.load(f)["files"].items()}
     except OSError as exc:
         raise ValueError(f"its record {os.path.basename(record_path)} cannot be read ({exc.strerror})") from None
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, AttributeError):  # not JSON, or not files -> {size, sha256}
         raise ValueError(f"unreadable record {os.path.basename(record_path)}") from None
-    if not isinstance(recorded, dict) or not all(isinstance(e, dict) and {"size", "sha256"} <= e.keys()
-                                                 for e in recorded.values()):
-        raise ValueError(f"unreadable record {os.path.basename(record_path)} (its files are not name -> size, sha256)")
     try:
         actual = file_records(path)
     except OSError as exc:
