@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO_ROOT))
 import numpy as np
 from tqdm import tqdm
 
-from common.cli import OneLineArgumentParser
+from common.cli import OneLineArgumentParser, at_least
 from common.errors import DataError, report_user_errors, storage_error
 from dataset.chat import encode_many, parse_conversation, render
 from dataset.lm_dataset import iter_raw_lines, load_tokenizer
@@ -273,8 +273,8 @@ def main(argv=None):
                              "of their tokens with their loss spans (.bin.blocks)")
     args = parser.parse_args(argv)
     for name, least in (("chunk_lines", 1), ("shard_tokens", 0), ("num_shards", 1)):
-        if getattr(args, name) < least:
-            parser.error(f"--{name} must be at least {least}, got {getattr(args, name)}")
+        if problem := at_least(least)(getattr(args, name)):
+            parser.error(f"--{name} {problem}")
     if args.sft:
         stats = prepare_sft(args.data_path, args.out_path, args.tokenizer_path, args.num_proc, args.chunk_lines)
         print(f"{stats['conversations']:,} conversations, {stats['tokens']:,} tokens ({stats['trained_tokens']:,} "
