@@ -18,8 +18,10 @@ STEPS, SAVE = 30, 15
 
 
 def args_for(run_dir, corpus, dtype, *extra) -> list:
-    # Later flags win in argparse: --dtype overrides TINY's float32.
-    return [*TINY, "--dtype", dtype, "--data_path", str(corpus), "--max_steps", str(STEPS),
+    # Later flags win in argparse: --dtype overrides TINY's float32. The optimizer is named: on a
+    # CPU that emulates bf16, --optimizer auto gives a bf16 run AdamW and an fp32 run Muon
+    # (trainer/auto.py), and these runs compare precisions, not optimizers.
+    return [*TINY, "--dtype", dtype, "--optimizer", "muon", "--data_path", str(corpus), "--max_steps", str(STEPS),
             "--save_interval", str(SAVE), "--val_fraction", "0.1", *out_args(run_dir), *extra]
 
 
