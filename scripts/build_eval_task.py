@@ -46,7 +46,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from common.cli import OneLineArgumentParser  # noqa: E402
+from common.cli import OneLineArgumentParser, at_least  # noqa: E402
 from common.storage import atomic_write_text  # noqa: E402
 from common.errors import report_user_errors  # noqa: E402
 from common.errors import DataError  # noqa: E402
@@ -196,8 +196,8 @@ def parse_args(argv=None):
                    help="drop an item when this much context + the gold occurs in a training document")
     args = p.parse_args(argv)
     for name in ("cont_chars", "min_context", "stride", "max_per_doc", "every"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+        if problem := at_least(1)(getattr(args, name)):
+            p.error(f"--{name} {problem}")
     if (args.out is None) == (args.check is None):
         p.error("give --out FILE (build a task) or --check TASK (check one against --data_path), one of the two")
     if args.slack < 0 or args.max_context < args.min_context:
