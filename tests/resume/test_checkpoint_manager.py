@@ -1,6 +1,6 @@
 """trainer/checkpoint.py's CheckpointManager in this process: save, verify, choose and rotate,
 over Stateful parts. For two ranks, each rank is a thread with a stand-in for the
-collectives (a threading.Barrier), so the tests see what every rank does: the same
+collectives (tests/support/thread_ranks.py), so the tests see what every rank does: the same
 collectives in the same order (or the job would hang), only rank 0 touches
 --checkpoint_dir (rank 1's may be another node's disk, even absent), and rank 0's
 decision reaches every rank."""
@@ -18,6 +18,7 @@ from common.errors import UserError
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.support.assertions import tree_digest
 from tests.support.run_outputs import latest_link_name
+from tests.support.thread_ranks import ThreadJob, ThreadRank
 from tests.support.tiny import FLAGS
 from trainer import checkpoint
 from trainer.checkpoint import FORMAT, CheckpointManager, list_checkpoints, step_path
@@ -25,61 +26,6 @@ from trainer.train_state import ModelState, RNGState, ScalerState, StepPlan, Tra
 
 PREFIX = "pretrain_64"
 CONFIG = MiniMindConfig(**FLAGS).to_dict()
-
-
-class ThreadRank:
-    """One rank of a job whose ranks are threads of this process; records its collectives."""
-
-    def __init__(self, job: "ThreadJob", rank: int):
-        self.job, self.rank, self.calls = job, rank, []
-
-    @property
-    def world_size(self) -> int:
-        return self.job.world_size
-
-    def barrier(self):
-        self.calls.append("barrier")
-        self.job.barrier.wait(timeout=30)
-
-    def broadcast(self, obj):
-        self.calls.append("broadcast")
-        return self.all_gather_raw(obj)[0]
-
-    def all_gather(self, obj) -> list:
-        self.calls.append("all_gather")
-        return self.all_gather_raw(obj)
-
-    def agree(self, problem):
-        return next((p for p in self.all_gather(problem) if p), None)
-
-    def all_gather_raw(self, obj) -> list:
-        self.job.slots[self.rank] = obj
-        self.job.barrier.wait(timeout=30)
-        gathered = [self.job.slots[r] for r in range(self.world_size)]
-        self.job.barrier.wait(timeout=30)
-        return gathered
-
-
-class ThreadJob:
-    def __init__(self, world_size: int):
-        self.world_size, self.barrier, self.slots = world_size, threading.Barrier(world_size), {}
-
-    def run(self, fn) -> list:
-        """fn(rank: ThreadRank) on every rank at once; each rank's (ThreadRank, result or exception)."""
-        ranks = [ThreadRank(self, r) for r in range(self.world_size)]
-        results = [None] * self.world_size
-
-        def call(r):
-            try:
-                results[r] = fn(ranks[r])
-            except BaseException as exc:  # noqa: BLE001  shown to the test (a rank left behind times out)
-                results[r] = exc
-        threads = [threading.Thread(target=call, args=(r,), name=f"rank{r}") for r in range(self.world_size)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
-        return list(zip(ranks, results))
 
 
 class FakeModel:
