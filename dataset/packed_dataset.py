@@ -74,9 +74,14 @@ def write_meta(bin_path, *, vocab_size, num_tokens, num_docs, bos_token_id, eos_
     return meta
 
 
+def is_count(value) -> bool:
+    """A non-negative integer (a bool is no count)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def not_counts(meta: dict, keys) -> list[str]:
-    """The keys whose values are not non-negative integers (a bool is no count)."""
-    return [k for k in keys if isinstance(meta[k], bool) or not isinstance(meta[k], int) or meta[k] < 0]
+    """The keys whose values are no counts."""
+    return [k for k in keys if not is_count(meta[k])]
 
 
 def read_meta(bin_path, format_=FORMAT):

@@ -23,7 +23,7 @@ import numpy as np
 
 from common.storage import atomic_write_text
 from common.errors import DataError
-from dataset.packed_dataset import DTYPES, PackedPretrainDataset, not_counts, read_meta
+from dataset.packed_dataset import DTYPES, PackedPretrainDataset, is_count, not_counts, read_meta
 from dataset.sources import resolve_data_paths
 
 MANIFEST = "manifest.json"
@@ -60,14 +60,14 @@ def read_manifest(path):
         raise DataError(f"{path}: not a {FORMAT} manifest; {RERUN}")
     try:
         itemsize = np.dtype(DTYPES[manifest["dtype"]]).itemsize
-        shards = [(path.parent / s["path"], int(s["num_tokens"])) for s in manifest["shards"]]
+        shards = [(path.parent / s["path"], s["num_tokens"]) for s in manifest["shards"]]
         meta = {k: manifest[k] for k in (*SHARED_KEYS, "tokenizer", "num_tokens", "num_docs")}
     except (KeyError, TypeError, ValueError) as e:
         raise DataError(f"{path}: corrupt manifest (bad or missing {e}); {RERUN}") from None
     wrong = not_counts(meta, ("vocab_size", "bos_token_id", "eos_token_id", "num_tokens", "num_docs"))
-    if wrong or any(n < 0 for _, n in shards):
-        raise DataError(f"{path}: corrupt manifest ({', '.join(wrong) or 'a shard num_tokens'} not a non-negative "
-                        f"integer); {RERUN}")
+    wrong += [f"{shard.name}'s num_tokens" for shard, n in shards if not is_count(n)]
+    if wrong:
+        raise DataError(f"{path}: corrupt manifest ({', '.join(wrong)} not a non-negative integer); {RERUN}")
     for shard, num_tokens in shards:
         size = shard.stat().st_size if shard.is_file() else None
         if size != num_tokens * itemsize:

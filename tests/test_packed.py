@@ -228,6 +228,21 @@ def test_a_manifest_value_that_is_no_count_is_one_line(tmp_path, key, value):
         ShardedPackedDataset(shards, max_length=16, vocab_size=6400)
 
 
+@pytest.mark.parametrize("count", ["64", 64.0, -64])
+def test_a_shard_count_that_is_no_count_is_one_line_not_rounded(tmp_path, count):
+    from dataset.shards import write_manifest
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    write_stream(shards / "0-a.bin", np.full(64, 9), vocab_size=6400)
+    common = {"dtype": "uint16", "vocab_size": 6400, "bos_token_id": 1, "eos_token_id": 2, "tokenizer": "hand-made"}
+    manifest = write_manifest(shards, common, [{"path": "0-a.bin", "num_tokens": 64, "num_docs": 1}], runs=[])
+    manifest["shards"][0]["num_tokens"] = count  # the total stays a good count: only the shard's is wrong
+    (shards / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match=r"corrupt manifest \(0-a\.bin's num_tokens not a non-negative integer\)"):
+        ShardedPackedDataset(shards, max_length=16, vocab_size=6400)
+
+
 def test_the_recorded_largest_id_is_trusted_only_for_the_file_it_was_counted_on(tmp_path):
     from dataset.packed_dataset import largest_token_id
 
