@@ -1,5 +1,5 @@
 """trainer/optim.py's Muon: torch.optim.Muon's update, batched by shape, split across ranks
-(DDP and FSDP2), in the run's precision, compiled without recompiles, and resumable bitwise
+(DDP and FSDP2: trainer/muon_ranks.py), in the run's precision, compiled without recompiles, and resumable bitwise
 (also from a checkpoint torch.optim.Muon wrote); with NorMuon on, split and resumed likewise.
 What NorMuon computes is tests/test_normuon.py's."""
 import pytest
@@ -14,7 +14,8 @@ from tests.support.run_outputs import latest_checkpoint, latest_link, out_args
 from tests.support.tiny import TINY
 from tests.support.fault_injection import fault_env
 from trainer.config import TrainConfig
-from trainer.optim import NS_COEFFICIENTS, Muon, is_block_matrix, newton_schulz, newton_schulz_flops, shard_rows, stacks_of
+from trainer.muon_ranks import shard_rows, stacks_of
+from trainer.optim import NS_COEFFICIENTS, Muon, is_block_matrix, newton_schulz, newton_schulz_flops
 
 
 def matrices(*shapes, seed=0):
@@ -241,8 +242,8 @@ def test_split_over_ranks_gives_the_one_process_weights_bitwise(one_process, tmp
 def test_normuon_split_over_ranks_gives_the_one_process_weights(one_process_normuon, tmp_path, layout, nproc):
     """NorMuon on: the split step still equals one process's. NorMuon's v lives with each rank's
     rows under FSDP (3 ranks: 86/86/84 rows of the MLP's matrices), and its norms over whole
-    matrices are summed in one process's order on every layout (trainer/optim.py's
-    _every_rank_rows), so this holds bit for bit (measured on CPU), which is more than the float
+    matrices are summed in one process's order on every layout (trainer/muon_ranks.py's
+    every_rank_rows), so this holds bit for bit (measured on CPU), which is more than the float
     noise it must hold to."""
     expected = one_process_normuon
     assert len(expected["moments"]) == len(expected["weights"]) == 14
