@@ -5,6 +5,7 @@ host_reads.py and fault_injection.py, in tests/support/; no test module imports 
 import pytest
 
 from tests.support import REPO_ROOT
+from tests.support.fault_injection import SmallDisk
 from tests.support.jobs import SharedRuns
 from tests.support.tiny import build_tokenizer, ensure_demo_corpus
 
@@ -58,3 +59,16 @@ def tiny_tokenizer_dir(tmp_path_factory):
 def shared_runs(tmp_path_factory):
     """Call it with {name: (nproc, args)}: tests/support/jobs.py's SharedRuns."""
     return SharedRuns(tmp_path_factory)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """Call it with (size, name="disk") for a SmallDisk under tmp_path; each is unmounted after the test."""
+    disks = []
+
+    def make(size: int, name: str = "disk") -> SmallDisk:
+        disks.append(SmallDisk(tmp_path / name, size))
+        return disks[-1]
+    yield make
+    for disk in disks:
+        disk.close()

@@ -197,6 +197,14 @@ def fault_env_base() -> dict:
     return {"PYTHONPATH": str(INJECT_DIR)}
 
 
+MiB = 1 << 20
+
+
+def size_of(path: Path) -> int:
+    """A file's bytes, or a folder's summed over its files."""
+    return sum(p.stat().st_size for p in path.rglob("*")) if path.is_dir() else path.stat().st_size
+
+
 def used_bytes(folder: Path) -> int:
     return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(folder) for name in names
                if os.path.isfile(os.path.join(root, name)))
