@@ -139,24 +139,3 @@ def test_a_row_cut_off_mid_write_is_dropped_at_a_resume_not_a_traceback(tmp_path
     RunLogger(str(path), output, "run", state, {}, enabled=True, clock=None)
     assert path.read_text() == "".join(rows)
     assert "dropped 2 row(s) that are not whole JSON objects" in capsys.readouterr().out
-
-
-def test_rows_below_wandb_s_last_step_go_at_its_next_step_not_into_the_void(tmp_path):
-    """wandb drops a row logged at a step below its last; after a resume on more processes the
-    steps restart lower, so those rows are logged at wandb's own next step instead."""
-    class FakeWandb:
-        def __init__(self, step):
-            self.step, self.calls = step, []
-
-        def log(self, values, step=None):
-            self.calls.append((values["step"], step))
-            self.step = max(self.step, step if step is not None else self.step + 1)
-
-    state = SimpleNamespace(plan=SimpleNamespace(total_steps=300, epochs=1), global_step=100, tokens_seen=0,
-                            wandb_run_id=None)
-    output = SimpleNamespace(save_dir=str(tmp_path), from_resume=1, use_wandb=0)
-    logger = RunLogger(str(tmp_path / "m.jsonl"), output, "run", state, {}, enabled=True, clock=None)
-    logger.wandb = FakeWandb(step=201)  # the run logged up to step 200 on 1 process
-    for step in (110, 120, 250):
-        logger.log({"kind": "train", "step": step}, f"step {step}")
-    assert logger.wandb.calls == [(110, None), (120, None), (250, 250)]

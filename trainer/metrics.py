@@ -189,6 +189,12 @@ class RunLogger:
             os.environ["WANDB_MODE"] = "offline"
             self.wandb = wandb.init(**init)
         self.wandb_run_id = self.wandb.id
+        # Every chart's x axis is the tokens trained, not wandb's count of rows: a resume on another
+        # world size renumbers the steps (2 processes' step 100 is 1 process's 200), and a step redone
+        # after a resume is logged again. By tokens each row lands where its training was, a redone
+        # step on its first logging, and no row is dropped for a step below wandb's last.
+        self.wandb.define_metric("tokens_seen")
+        self.wandb.define_metric("*", step_metric="tokens_seen")
         mode = os.environ.get("WANDB_MODE") or "online"
         print(f"wandb: run {self.wandb.id} ({mode})" + (", sync later with `wandb sync`" if mode == "offline" else ""),
               flush=True)
@@ -204,11 +210,7 @@ class RunLogger:
             except StorageError as exc:
                 self._lose_metrics(exc)
         if self.wandb is not None:
-            # wandb drops a row logged at a step below its last. A resume on more processes renumbers
-            # the steps lower (2 processes' step 100 is 1 process's 200): until they pass wandb's own
-            # count again, rows go at wandb's next step, each with its "step" among its values.
-            step = row["step"] if row["step"] >= self.wandb.step else None
-            self.wandb.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=step)
+            self.wandb.log({k: v for k, v in row.items() if isinstance(v, (int, float))})
 
     def log_train(self, step: int, epoch: int, window: dict, lrs: dict, tokens_seen: int,
                   tok_s: float, real_tok_s: float, mfu: float | None):
