@@ -82,7 +82,8 @@ def test_wandb_records_the_resolved_config_and_the_accumulation_global_batch_siz
     from types import SimpleNamespace
 
     seen = {}
-    run = SimpleNamespace(id="fake", step=0, log=lambda *a, **k: None, finish=lambda: None)  # a wandb Run's fields
+    run = SimpleNamespace(id="fake", log=lambda *a, **k: None, define_metric=lambda *a, **k: None,
+                          finish=lambda: None)  # a wandb Run's fields
     monkeypatch.setitem(sys.modules, "wandb", SimpleNamespace(init=lambda **kw: seen.update(kw) or run))
     ensure_demo_corpus()
     result = run_trainer([*TINY, "--max_steps", "1", "--global_batch_size", "8", "--use_wandb", *out_args(tmp_path)],
