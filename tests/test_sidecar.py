@@ -111,6 +111,22 @@ def test_from_weight_takes_the_shape_from_the_sidecar(trained):
     assert logits_of(model).equal(logits_of(load_model(pth)[0]))
 
 
+def test_a_run_shaped_by_its_from_weight_records_that_shape_and_resumes_with_it_typed(trained, tmp_path):
+    """The checkpoint's stored config holds the shape the sidecar gave (64 x 2), not the flags'
+    defaults, so a resume that types it is the same run, not a contradiction."""
+    import shutil
+
+    work = trained.parent.parent
+    run = tmp_path / "run"
+    shutil.copytree(trained.parent, run, symlinks=True)
+    [record] = [json.loads(p.read_text()) for p in (run / "ckpt").glob("*_resume_step*.json")]
+    assert {name: record["config"]["model"][name] for name in SHAPE} == SHAPE
+    resumed = run_trainer([*TINY, "--from_weight", str(work / "start" / "start_64.pth"), "--data_path",
+                           str(work / "small.jsonl"), "--max_steps", "2", "--from_resume", "1", *out_args(run)], run)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert "resumed from" in resumed.stdout and "at step 1/2" in resumed.stdout
+
+
 def test_a_pth_without_sidecar_still_goes_by_the_flags(trained, tmp_path, capsys):
     bare = tmp_path / "minimind.pth"  # MiniMind's own files have no .json
     bare.write_bytes((trained / "pretrain_64.pth").read_bytes())

@@ -27,7 +27,8 @@ from model.model_minimind import count_parameters
 from trainer.checkpoint import CheckpointManager, newest_record
 from trainer.auto import resolve_auto
 from trainer.config import (
-    PRETRAIN_GROUPS, TrainConfig, check_config, metrics_path, parse_config, run_prefix, weights_path,
+    MODEL_SHAPE_FLAGS, PRETRAIN_GROUPS, TrainConfig, check_config, metrics_path, parse_config, run_prefix,
+    weights_path,
 )
 from trainer.data import (
     LoaderStalled, ResumableDistributedSampler, TrainData, check_worker_tmpdir, global_batches, make_train_loader,
@@ -193,6 +194,9 @@ def settle_config(cfg: TrainConfig, typed: frozenset, env) -> tuple:
         record = newest_record(cfg.output.checkpoint_dir, prefix)
         cfg, origin = resume_config(cfg, typed, legacy_record(record), f"checkpoint {record.get('path')}")
         lm_config = model_config(cfg, typed)
+    # The shape flags say the model's shape, which a --from_weight's stored config decides where not
+    # typed: the checkpoint's record and wandb then hold the shape trained, and a resume may type it.
+    cfg = cfg.replace(**{name: int(getattr(lm_config, name)) for name in MODEL_SHAPE_FLAGS})
     sharded = cfg.system.parallel == "fsdp" and env.distributed
     tokens_per_step = global_batch(cfg.optim, env.world_size) * cfg.model.max_seq_len
     cfg = resolve_auto(cfg, origin, env.device, sharded, lm_config, tokens_per_step)
