@@ -231,7 +231,10 @@ class ScalerState:
         return {"scaler": self.scaler.state_dict()}
 
     def load_state_dict(self, saved: dict):
-        self.scaler.load_state_dict(saved["scaler"])
+        """A run without loss scaling (bf16, fp32) saves an empty scaler state: an fp16 resume of it
+        starts its scale afresh, which the first overflowing steps calibrate, as at any fp16 start."""
+        if saved["scaler"] or not self.scaler.is_enabled():
+            self.scaler.load_state_dict(saved["scaler"])
 
 
 class RNGState:

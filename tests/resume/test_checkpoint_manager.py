@@ -285,6 +285,19 @@ def test_a_checkpoint_of_the_first_format_resumes(tmp_path):
     assert fresh_optimizer.state_dict()["state"][0]["exp_avg"].equal(optimizer.state_dict()["state"][0]["exp_avg"])
 
 
+def test_an_fp16_resume_of_a_run_without_loss_scaling_starts_its_scale_afresh():
+    """bf16 and fp32 runs save a disabled GradScaler's empty state; a resume with --dtype float16
+    (or auto on a GPU without bf16) takes it as a fresh scale, and a scaled run's state still loads."""
+    unscaled = {"scaler": torch.amp.GradScaler("cpu", enabled=False).state_dict()}
+    fp16 = ScalerState(torch.amp.GradScaler("cpu", init_scale=1024.0))
+    fp16.load_state_dict(unscaled)
+    assert fp16.scaler.get_scale() == 1024.0
+    scaled = {"scaler": torch.amp.GradScaler("cpu", init_scale=8.0).state_dict()}
+    fp16.load_state_dict(scaled)
+    assert fp16.scaler.get_scale() == 8.0
+    ScalerState(torch.amp.GradScaler("cpu", enabled=False)).load_state_dict(scaled)  # fp16 -> bf16: dropped
+
+
 def checkpoint_rng():
     from trainer.train_state import capture_rng_state
 
