@@ -140,14 +140,15 @@ def verify_export(model, out_dir, dtype=torch.float32, atol=1e-4, trust_remote_c
 
 
 @contextmanager
-def export_folder(out_dir, needed: int):
+def export_folder(out_dir, needed: int, flag: str = "--out_dir"):
     """A folder beside `out_dir` to write and verify the export in; its files move into out_dir
     (os.replace, file by file) only once all are there, so out_dir never holds half an export.
+    `flag`: the command line's name for where out_dir came from, for the error lines.
     A write the disk refuses removes the folder and becomes one line (safetensors and transformers
     report a full disk in their own words: common/errors.py's os_error_of finds it)."""
     out_dir = Path(out_dir).absolute()  # "." has no name to put the staging folder's beside
     if not out_dir.name:
-        raise UserError(f"--out_dir {out_dir}: name a folder to export into, not the root of the file system")
+        raise UserError(f"{flag} {out_dir}: name a folder to export into, not the root of the file system")
     staging = out_dir.with_name(f"{out_dir.name}.export.tmp")
     remove_quietly(staging)
     try:
@@ -162,7 +163,7 @@ def export_folder(out_dir, needed: int):
         cause = None if isinstance(exc, (UserError, ExportError)) else os_error_of(exc)
         if cause is None:
             raise
-        raise storage_error(cause, "the Hugging Face export", out_dir, needed, "pass another --out_dir") from None
+        raise storage_error(cause, "the Hugging Face export", out_dir, needed, f"pass another {flag}") from None
 
 
 def save_pth(state, out_path):
@@ -203,6 +204,9 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.to_pth and not (args.hf_dir and args.out_path):
         p.error("--to_pth needs --hf_dir FOLDER and --out_path FILE.pth")
+    if args.to_pth and Path(args.out_path).suffix not in (".pth", ".safetensors"):  # its config goes beside it
+        p.error(f"--out_path {args.out_path}: with --to_pth it names the weights file to write, and their config "
+                f"goes beside it as .json: pass a path ending in .pth (or .safetensors)")
     if not args.to_pth and args.hf_dir:
         p.error("--hf_dir only goes with --to_pth")
     if args.gguf_type and (args.to_pth or args.format != "gguf"):

@@ -108,7 +108,7 @@ def cached_export(weight_path, cache_dir, tokenizer_path=None, flags=None) -> tu
         model, source = load_model(weight_path, **flags)
     model = model.float().eval()
     needed = sum(p.numel() for p in model.parameters()) * EXPORT_DTYPES["float32"].itemsize
-    with export_folder(folder, needed) as staging:
+    with export_folder(folder, needed, "--cache_dir") as staging:
         verified = export_native(model, staging, tokenizer_path)
         files = sorted(p.name for p in staging.iterdir())
         record = dict(source=os.path.abspath(source), loaded_as=verified.loaded_as,

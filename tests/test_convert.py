@@ -166,6 +166,10 @@ def test_cli_export_and_bad_input(work, tmp_path, capsys):
                                             "--tokenizer_path", str(tmp_path))
     assert not (tmp_path / "t").exists()  # refused before writing anything
     assert "--to_pth needs" in error_of("--to_pth", "--hf_dir", str(tmp_path))
+    (tmp_path / "back.json").write_text("{}")  # the weights would have gone here, then their config over them
+    assert "pass a path ending in .pth (or .safetensors)" in error_of("--to_pth", "--hf_dir", str(tmp_path), "--out_path",
+                                                     str(tmp_path / "back.json"))
+    assert (tmp_path / "back.json").read_text() == "{}"
     assert "no config.json" in error_of("--to_pth", "--hf_dir", str(tmp_path), "--out_path", str(tmp_path / "y.pth"))
     (tmp_path / "config.json").write_text('{"model_type": "qwen3",')  # cut short
     assert "config.json: the model config is not readable JSON" in error_of(
@@ -184,3 +188,16 @@ def test_an_export_into_the_current_folder_and_none_into_the_root(work, tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["here"]  # the staging folder is gone
     err = one_line_stop(main, capsys, "--weight_path", str(runs["dense"]["pth"]), *CLI_FLAGS, "--out_dir", "/")
     assert "--out_dir /: name a folder to export into" in err
+
+
+def test_an_export_folder_that_cannot_be_made_names_the_flag_it_came_from(tmp_path):
+    """The server exports into --cache_dir through the same staging folder: its error line names
+    --cache_dir, not convert_model.py's --out_dir."""
+    from common.errors import StorageError
+    from scripts.convert_model import export_folder
+
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(StorageError, match=r"pass another --cache_dir") as info:
+        with export_folder(tmp_path / "afile" / "cache" / "digest", 1, "--cache_dir"):
+            pass
+    assert "--out_dir" not in str(info.value)
