@@ -4,6 +4,7 @@ import os
 import shutil
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -144,14 +145,16 @@ def test_the_page_in_a_real_browser_streams_a_reply(served, tmp_path):
     from selenium.webdriver.common.keys import Keys
 
     port = free_port()
+    # No --server.address: the repository's .streamlit/config.toml, read in the folder the page
+    # starts in (the repository's, as the README has it), keeps it on this machine.
     argv = [PYTHON, "-m", "streamlit", "run", str(WEB_DEMO), "--server.headless", "true", "--server.port", str(port),
-            "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false", "--",
-            "--api_base", served.url, "--temperature", "0", "--max_tokens", "300"]
+            "--", "--api_base", served.url, "--temperature", "0", "--max_tokens", "300"]
     options = webdriver.ChromeOptions()
     options.binary_location = shutil.which("chromium")
     for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1200,900"):
         options.add_argument(flag)
     with running(argv, tmp_path / "streamlit.log", f"http://127.0.0.1:{port}/_stcore/health", timeout=120):
+        assert listening_addresses(port) == {"127.0.0.1"}
         os.environ.setdefault("SE_OFFLINE", "true")  # Selenium Manager must not fetch a driver
         driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(shutil.which("chromedriver")))
         try:
@@ -174,6 +177,22 @@ def test_the_page_in_a_real_browser_streams_a_reply(served, tmp_path):
     assert " ".join(text.split()) == " ".join(expected.split())
     assert len(lengths - {0}) >= 2, f"the reply did not grow on the page as it streamed: {lengths}"
     assert (tmp_path / "web_demo.png").stat().st_size > 1000
+
+
+def listening_addresses(port: int) -> set[str]:
+    """The local addresses with a socket listening on `port` (Linux's /proc/net/tcp and tcp6)."""
+    import ipaddress
+
+    found = set()
+    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                # Each 32-bit word of the address is in the host's (little-endian) byte order.
+                raw = b"".join(bytes.fromhex(address[i:i + 8])[::-1] for i in range(0, 2 * width, 8))
+                found.add(str(ipaddress.ip_address(raw)))
+    return found
 
 
 def wait(find, timeout):
