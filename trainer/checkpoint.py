@@ -81,8 +81,10 @@ class CheckpointManager:
         """The inference weights and a resume checkpoint at `global_step`; returns its path."""
         # A checkpoint of NaNs would push a good one out of the rotation: refuse to write it.
         finite = self.model_state.finite()  # a collective: a statement of its own, reached by every rank
-        if not finite:
-            raise RuntimeError("model weights are not finite; refusing to save a checkpoint")
+        if not finite:  # every rank alike: one line each, and the job stops
+            raise UserError(f"the model's weights at step {global_step} are not finite (inf or NaN), so no "
+                            f"checkpoint is saved and the earlier ones are kept: resume from the newest with "
+                            f"--from_resume 1 and a lower --learning_rate (or --muon_lr)")
         weights = self.model_state.full_weights() if self.weights_path else None  # every rank: a gather under FSDP
         state = {"format": FORMAT, "model_config": self.model_config}
         for part in self.parts.values():
