@@ -229,3 +229,15 @@ def test_the_settled_config_is_resolved_and_checked_and_an_unresolved_one_is_ref
     assert "auto" not in settled.flags().values()
     with pytest.raises(ValueError, match="resolved config"):
         check_config(parse_config([])[0])
+
+
+def test_a_typed_accumulation_beside_a_global_batch_is_said_to_be_left_aside(tmp_path):
+    """--global_batch_size decides the accumulation at each world size (an elastic restart reruns the
+    same command on another), so a typed --accumulation_steps is not an error, but the log says so."""
+    ensure_demo_corpus()
+    result = run_trainer([*TINY, "--max_steps", "1", "--global_batch_size", "8", "--accumulation_steps", "4",
+                          *out_args(tmp_path)], tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert ("warning: --accumulation_steps 4 is left aside: --global_batch_size 8 decides the micro-batches per step "
+            "at each world size") in result.stdout
+    assert "micro_batch=4 accumulation=2 global_batch=8" in result.stdout

@@ -198,6 +198,9 @@ def settle_config(cfg: TrainConfig, typed: frozenset, env) -> tuple:
     # typed: the checkpoint's record and wandb then hold the shape trained, and a resume may type it.
     cfg = cfg.replace(**{name: int(getattr(lm_config, name)) for name in MODEL_SHAPE_FLAGS})
     sharded = cfg.system.parallel == "fsdp" and env.distributed
+    if "accumulation_steps" in typed and cfg.optim.global_batch_size:  # not an error: an elastic restart reruns it
+        Logger(f"warning: --accumulation_steps {cfg.optim.accumulation_steps} is left aside: --global_batch_size "
+               f"{cfg.optim.global_batch_size} decides the micro-batches per step at each world size")
     tokens_per_step = global_batch(cfg.optim, env.world_size) * cfg.model.max_seq_len
     cfg = resolve_auto(cfg, origin, env.device, sharded, lm_config, tokens_per_step)
     check_config(cfg, cuda=env.device.type == "cuda")
