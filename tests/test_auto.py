@@ -43,6 +43,21 @@ def test_auto_for_a_new_run_and_for_a_resume():
     assert (kept.optim.lr_schedule, kept.optim.muon_lr) == ("cosine", 0.03)
 
 
+def test_a_normuon_asked_for_makes_auto_take_muon():
+    """--normuon 1 with --optimizer auto: Muon, where auto alone would take AdamW (hidden 768 at 64
+    tokens a step: Newton-Schulz's share is over the bound); beside --param_groups single, one line."""
+    from common.errors import UserError
+    from model.model_minimind import MiniMindConfig
+
+    wide = MiniMindConfig(hidden_size=768, num_hidden_layers=2)
+    cfg = resolve_auto(TrainConfig.of(dtype="float32", normuon=1), {"normuon": "typed"}, torch.device("cpu"), False,
+                       wide, 64)
+    assert (cfg.optim.optimizer, cfg.optim.normuon) == ("muon", 1)
+    with pytest.raises(UserError, match="--normuon 1 changes Muon's update, and --param_groups single"):
+        resolve_auto(TrainConfig.of(dtype="float32", normuon=1, param_groups="single"), {"normuon": "typed"},
+                     torch.device("cpu"), False, wide, 64)
+
+
 def test_weight_decay_and_the_document_mask_follow_the_optimizer():
     """auto: weight decay 0.3 and attention within documents with Muon, torch's 0.01 and attention
     across the window for AdamW on everything, whichever way the optimizer was chosen; a typed or

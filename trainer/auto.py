@@ -15,6 +15,7 @@ import dataclasses
 import numpy
 import torch
 
+from common.errors import UserError
 from trainer.device import cuda_has_native_bf16, native_bf16_cpu_flags, read_cpu_flags
 from trainer.distributed import Logger, broadcast_from_main
 from trainer.metrics import muon_flop_share
@@ -179,6 +180,11 @@ def resolve_auto(cfg, origin: dict, device, sharded: bool, lm_config, tokens_per
     share_at = lambda steps: steps * per_step  # noqa: E731
     values["muon_ns_steps"], reasons["muon_ns_steps"] = resolve_ns_steps(cfg.optim.muon_ns_steps, share_at)
     optimizer = cfg.optim.optimizer
+    if optimizer == "auto" and cfg.optim.normuon == 1:  # a NorMuon asked for is Muon asked for
+        if cfg.optim.param_groups == "single":
+            raise UserError("--normuon 1 changes Muon's update, and --param_groups single is MiniMind's AdamW on "
+                            "everything: drop one of them")
+        optimizer, reasons["optimizer"] = "muon", f"auto: NorMuon, which is Muon's, is on ({reasons['normuon']})"
     if optimizer == "auto":
         share = share_at(values["muon_ns_steps"])
         optimizer, reasons["optimizer"] = detect_optimizer(device, values["dtype"], cfg.optim.param_groups, share)
@@ -195,10 +201,9 @@ def resolve_auto(cfg, origin: dict, device, sharded: bool, lm_config, tokens_per
             values[name] = fresh[name]
             what = whose.get(name, "a new run's default")
             reasons[name] = f"auto: {what} at hidden {lm_config.hidden_size} (docs/time-to-quality.md)"
-    # NorMuon is Muon's: an auto choice gives way to the other flag's value. Both typed, the
-    # combination stops the run in check_config, which names them.
-    chosen_by_auto = "auto" in (cfg.optim.optimizer, cfg.optim.normuon)
-    if optimizer != "muon" and values["normuon"] and chosen_by_auto:
+    # NorMuon is Muon's: an auto --normuon gives way to the optimizer (an auto --optimizer gave way to
+    # --normuon 1 above). Both given, the combination stops the run in check_config, which names them.
+    if optimizer != "muon" and values["normuon"] and cfg.optim.normuon == "auto":
         values["normuon"], reasons["normuon"] = 0, f"--optimizer {optimizer}: NorMuon is Muon's"
     # Each rank read its own hardware; rank 0's reading decides for all (a collective: every rank
     # calls this), so ranks on unlike nodes cannot split into Muon and AdamW, or bf16 and fp32,

@@ -104,7 +104,7 @@ class OptimConfig:
     optimizer: str = flag("auto", "muon: Muon on the blocks' 2-D weights, AdamW on the embedding (= tied head) and "
                           "norms; adamw: AdamW on everything; auto: muon where its Newton-Schulz runs in a native "
                           f"precision and, at --muon_ns_steps, adds at most {MUON_STEP_BOUND - 1:.0%}% to a step's "
-                          "FLOPs (docs/performance.md), else adamw",
+                          "FLOPs (docs/performance.md), or where --normuon 1 asks for it, else adamw",
                           choices=("auto", "adamw", "muon"))
     muon_lr: float | Literal["auto"] = flag(
         "auto", f"Muon's peak lr; auto: by width, the lr measured best at {by_width(MUON_LR_BY_WIDTH)}",
