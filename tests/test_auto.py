@@ -191,7 +191,7 @@ def test_the_default_run_picks_muon_on_every_cpu():
         assert resolve_optimizer("cpu", dtype, cpu_flags, muon_share=share)[0] == "muon", (cpu_flags, share)
 
 
-def test_muon_takes_three_newton_schulz_steps_where_five_would_cost_more_than_the_bound():
+def test_muon_takes_three_newton_schulz_steps_where_five_would_cost_more_than_the_bound(capsys):
     """auto: torch.optim.Muon's 5 steps where they add at most 60% to a step's FLOPs, else 3; and
     --optimizer auto weighs the steps it will run. A typed or stored value stays."""
     from model.model_minimind import MiniMindConfig
@@ -199,7 +199,11 @@ def test_muon_takes_three_newton_schulz_steps_where_five_would_cost_more_than_th
     assert resolve_ns_steps("auto", lambda steps: 0.12 * steps)[0] == 5   # 60%: within the bound
     steps, why = resolve_ns_steps("auto", lambda steps: 0.19 * steps)    # 95% at 5, 57% at 3
     assert steps == 3 and "95%" in why and "57%" in why
-    assert resolve_ns_steps(4, lambda steps: 1.0) == (4, "--muon_ns_steps")
+    assert resolve_ns_steps(4, lambda steps: 1.0) == (4, None)  # given: the log says by whom
+    capsys.readouterr()
+    stored = resolve_auto(TrainConfig.of(dtype="float32", muon_ns_steps=5), {"muon_ns_steps": "stored"},
+                          torch.device("cpu"), False, MiniMindConfig(hidden_size=256, num_hidden_layers=2), 8 * 340)
+    assert stored.optim.muon_ns_steps == 5 and "muon_ns_steps: 5 (the checkpoint's)" in capsys.readouterr().out
 
     def resolved(model, tokens, origin=None, **flags):
         cfg = resolve_auto(TrainConfig.of(dtype="float32", **flags), origin or {}, torch.device("cpu"), False, model,

@@ -97,11 +97,12 @@ def resolve_optimizer(device_type: str, dtype: str, cpu_flags=frozenset(), param
 FEWER_NS_STEPS = 3
 
 
-def resolve_ns_steps(flag, share_at) -> tuple[int, str]:
-    """(Newton-Schulz steps, why) for --muon_ns_steps `flag`; share_at(steps): Newton-Schulz's share
-    of the step's FLOPs at that many steps (trainer/metrics.py's muon_flop_share)."""
+def resolve_ns_steps(flag, share_at) -> tuple[int, str | None]:
+    """(Newton-Schulz steps, why: None where the flag gave them) for --muon_ns_steps `flag`;
+    share_at(steps): Newton-Schulz's share of the step's FLOPs at that many steps (trainer/metrics.py's
+    muon_flop_share)."""
     if flag != "auto":
-        return flag, "--muon_ns_steps"
+        return flag, None
     allowed, share = MUON_STEP_BOUND - 1, share_at(NS_STEPS)
     if share <= allowed:
         return NS_STEPS, f"auto: torch.optim.Muon's {NS_STEPS} add {share:.0%} to each step's FLOPs, within {allowed:.0%}"
@@ -178,7 +179,8 @@ def resolve_auto(cfg, origin: dict, device, sharded: bool, lm_config, tokens_per
     # Newton-Schulz's FLOPs grow with its steps one for one: the model's shapes are read once.
     per_step = muon_flop_share(lm_config, tokens_per_step, cfg.model.max_seq_len, ns_steps=1)
     share_at = lambda steps: steps * per_step  # noqa: E731
-    values["muon_ns_steps"], reasons["muon_ns_steps"] = resolve_ns_steps(cfg.optim.muon_ns_steps, share_at)
+    values["muon_ns_steps"], why_steps = resolve_ns_steps(cfg.optim.muon_ns_steps, share_at)
+    reasons["muon_ns_steps"] = why_steps or reasons["muon_ns_steps"]  # typed, stored or this stage's
     optimizer = cfg.optim.optimizer
     if optimizer == "auto" and cfg.optim.normuon == 1:  # a NorMuon asked for is Muon asked for
         if cfg.optim.param_groups == "single":
