@@ -48,6 +48,7 @@ from trainer.checkpoint_files import (
     FORMAT, STEP_NAME, TRAINER_STATE, file_records, latest_path, list_checkpoints, orphan_records, other_shapes,
     record_of, run_number, size_on_disk, step_path, verify_checkpoint,
 )
+from trainer.config import LAUNCH_GROUPS
 from trainer.distributed import TORCH_COLLECTIVES, Logger
 
 # What a failed save's line says to do, besides freeing space.
@@ -276,6 +277,8 @@ class CheckpointManager:
                     continue
                 check_config_matches(other, saved_config, self.model_config)
             return None, None
+        # The record newest_record() gave the run its config from: the first readable one.
+        configured_by = next((p for p in candidates if record_of(p) is not None), None)
         for path in candidates:
             try:
                 state = verify_checkpoint(path, self.needs, self.model_state.keys)
@@ -283,6 +286,10 @@ class CheckpointManager:
                 Logger(f"skipping checkpoint {path}: {exc}")
                 continue
             check_config_matches(path, state["model_config"], self.model_config)
+            if path != configured_by and _run_config(path) != _run_config(configured_by):
+                raise UserError(f"checkpoint {configured_by} is skipped (above), but this run took its config from "
+                                f"its record, and {path}, the newest usable, was saved with another: move "
+                                f"{configured_by} aside and resume again")
             return path, state
         raise UserError(f"--from_resume 1: none of the {len(candidates)} checkpoints in {self.folder} is usable "
                         f"(see above); move them aside to start fresh")
@@ -297,6 +304,12 @@ def newest_record(folder: str, prefix: str, collectives=TORCH_COLLECTIVES) -> di
         records = ((path, record_of(path)) for path in list_checkpoints(folder, prefix))
         record = next(({**r, "path": path} for path, r in records if r is not None), {})
     return collectives.broadcast(record)
+
+
+def _run_config(path) -> dict:
+    """The groups of the config stored in a checkpoint's record that a resume takes (not the launch's)."""
+    stored = (record_of(path) or {}).get("config")
+    return {g: v for g, v in stored.items() if g not in LAUNCH_GROUPS} if isinstance(stored, dict) else {}
 
 
 def _point_latest(checkpoint_dir, prefix, target):

@@ -1,5 +1,5 @@
-"""trainer/checkpoint.py's CheckpointManager in this process: save, verify, choose and rotate,
-over Stateful parts. For two ranks, each rank is a thread with a stand-in for the
+"""trainer/checkpoint.py's CheckpointManager in this process: save, verify and rotate, over
+Stateful parts (which one a resume chooses: test_resume_choice.py). For two ranks, each rank is a thread with a stand-in for the
 collectives (tests/support/thread_ranks.py), so the tests see what every rank does: the same
 collectives in the same order (or the job would hang), only rank 0 touches
 --checkpoint_dir (rank 1's may be another node's disk, even absent), and rank 0's
@@ -19,50 +19,11 @@ from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.support.assertions import tree_digest
 from tests.support.run_outputs import latest_link_name
 from tests.support.thread_ranks import ThreadJob, ThreadRank
+from tests.support.checkpoints import CONFIG, PREFIX, FakeModel, manager, plan, save_at
 from tests.support.tiny import FLAGS
 from trainer import checkpoint
 from trainer.checkpoint import FORMAT, CheckpointManager, list_checkpoints, step_path
-from trainer.train_state import ModelState, RNGState, ScalerState, StepPlan, TrainState
-
-PREFIX = "pretrain_64"
-CONFIG = MiniMindConfig(**FLAGS).to_dict()
-
-
-class FakeModel:
-    """The model part without a model: fixed weights, and what a resume gave it."""
-    keys = ModelState.keys
-
-    def __init__(self, value: float = 1.0):
-        self.weights, self.loaded = {"w": torch.full((4, 4), value)}, None
-
-    def finite(self):
-        return True
-
-    def state_dict(self):
-        return {"model": self.weights, "optimizer": {"state": {}, "param_groups": []}}
-
-    def load_state_dict(self, saved):
-        self.loaded = saved
-
-
-def plan(world_size=1):
-    return StepPlan(batch_size=4, world_size=world_size, accumulation_steps=2 // world_size, steps_per_epoch=100,
-                    total_steps=100)
-
-
-def manager(folder, rank=None, model=None, state=None, keep_last=3, config=CONFIG, parts=None) -> CheckpointManager:
-    collectives = rank if rank is not None else ThreadRank(ThreadJob(1), 0)
-    state = state or TrainState(plan(collectives.world_size))
-    parts = parts or {"train_state": state, "rng": RNGState(collectives)}
-    return CheckpointManager(str(folder), PREFIX, config, model or FakeModel(), parts, keep_last,
-                             collectives=collectives)
-
-
-def save_at(folder, step, tokens=None, keep_last=3, run_number=0):
-    state = TrainState(plan(), global_step=step, tokens_seen=tokens if tokens is not None else 100 * step,
-                       run_number=run_number)
-    return manager(folder, state=state, keep_last=keep_last).save(step)
-
+from trainer.train_state import ModelState, RNGState, ScalerState, TrainState
 
 # ---------------------------------------------------------------------------- one rank
 def test_a_save_is_the_checkpoint_its_record_and_the_link(tmp_path):
@@ -141,82 +102,6 @@ def test_a_fresh_run_is_numbered_after_the_newest_here_and_its_checkpoints_come_
     state = TrainState(plan())
     assert manager(tmp_path, state=state).resume()["global_step"] == 1
     assert (state.global_step, state.run_number) == (1, 2)
-
-
-def test_an_unverifiable_newest_is_skipped_and_all_unusable_stops(tmp_path, capsys):
-    for step in (2, 4):
-        save_at(tmp_path, step)
-    newest = step_path(str(tmp_path), PREFIX, 4)
-    with open(newest, "r+b") as f:
-        f.truncate(100)
-    assert manager(tmp_path).latest()["global_step"] == 2
-    assert f"skipping checkpoint {newest}: " in capsys.readouterr().out
-    os.remove(f"{step_path(str(tmp_path), PREFIX, 2)}.json")  # killed before its record was written
-    with pytest.raises(UserError, match="none of the 2 checkpoints in .* is usable"):
-        manager(tmp_path).latest()
-
-
-def test_a_skipped_newest_never_costs_the_saves_after_the_resume(tmp_path):
-    """1 process saves steps 2, 4 and 6; step 6 is found damaged, and the resume on 2 processes
-    starts from step 4 (2 processes' step 2), whose next save, step 3, holds fewer tokens than
-    step 6. With --keep_last 1 the rotation keeps that save: the damaged step 6, which sorts
-    ahead of it, is neither counted nor removed."""
-    for step in (2, 4, 6):
-        save_at(tmp_path, step, tokens=100 * step, run_number=1)
-    damaged = step_path(str(tmp_path), PREFIX, 6)
-    with open(damaged, "r+b") as f:
-        f.truncate(100)
-    assert manager(tmp_path).latest()["global_step"] == 4
-    path = save_at(tmp_path, 3, tokens=500, keep_last=1, run_number=1)
-    assert [Path(p).name for p in list_checkpoints(str(tmp_path), PREFIX)] == \
-        [Path(damaged).name, Path(path).name]
-    assert manager(tmp_path).latest()["tokens_seen"] == 500  # the damaged one skipped again, the new one used
-
-
-@pytest.mark.parametrize("record", [{"files": []}, {"files": {"x.pth": 3}}, {"files": {"x.pth": {"size": 1}}}])
-def test_a_record_of_the_wrong_shape_is_skipped_like_a_damaged_one(tmp_path, capsys, record):
-    for step in (2, 4):
-        save_at(tmp_path, step)
-    newest = step_path(str(tmp_path), PREFIX, 4)
-    Path(f"{newest}.json").write_text(json.dumps({**json.loads(Path(f"{newest}.json").read_text()), **record}))
-    assert manager(tmp_path).latest()["global_step"] == 2
-    assert f"skipping checkpoint {newest}: unreadable record" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("left_out", ["scaler", "rng"])
-def test_a_newest_checkpoint_without_one_of_the_parts_gives_way_to_the_one_before(tmp_path, capsys, left_out):
-    """A checkpoint that lacks the entry of one of this run's parts (written by a version
-    without that part) is skipped like a damaged one, in one line, and the one before resumes."""
-    rank = ThreadRank(ThreadJob(1), 0)
-
-    def parts(state, *left):
-        every = {"train_state": state, "scaler": ScalerState(torch.amp.GradScaler("cpu", enabled=False)),
-                 "rng": RNGState(rank)}
-        return {name: part for name, part in every.items() if name not in left}
-
-    manager(tmp_path, rank, parts=parts(TrainState(plan(), 2, 200))).save(2)
-    manager(tmp_path, rank, parts=parts(TrainState(plan(), 4, 400), left_out)).save(4)
-    capsys.readouterr()
-    state = TrainState(plan())
-    saved = manager(tmp_path, rank, parts=parts(state)).resume()
-    assert saved["path"] == step_path(str(tmp_path), PREFIX, 2) and state.global_step == 2
-    newest = step_path(str(tmp_path), PREFIX, 4)
-    assert capsys.readouterr().out.splitlines() == \
-        [f"skipping checkpoint {newest}: not a {FORMAT} checkpoint (missing ['{left_out}'])"]
-
-
-def test_no_checkpoint_starts_fresh_but_another_shape_is_named(tmp_path):
-    assert manager(tmp_path / "empty").resume() is None
-    save_at(tmp_path, 2)
-    wider = dict(CONFIG, hidden_size=128)
-    other = CheckpointManager(str(tmp_path), "pretrain_128", wider, FakeModel(), {},
-                              collectives=ThreadRank(ThreadJob(1), 0))
-    with pytest.raises(UserError, match="saved with hidden_size=64, but the flags give hidden_size=128"):
-        other.latest()
-    # Another --save_weight is another run, whatever its shape: a first --from_resume 1 starts fresh.
-    another_run = CheckpointManager(str(tmp_path), "small_128", wider, FakeModel(), {},
-                                    collectives=ThreadRank(ThreadJob(1), 0))
-    assert another_run.latest() is None
 
 
 def test_non_finite_weights_are_never_saved(tmp_path):
