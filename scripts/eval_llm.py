@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import torch
 
-from common.errors import WeightsError, report_user_errors
+from common.errors import UserError, WeightsError, report_user_errors
 from common.labels import IGNORE_INDEX
 from dataset.chat import generation_prompt
 from dataset.lm_dataset import frame_document, iter_jsonl_texts, iter_raw_lines, load_tokenizer
@@ -97,11 +97,18 @@ def chat_reply(model, tokenizer, turns, args, out=None):
 
 
 def generate_ids(model, tokenizer, ids, args, out):
+    context = model.config.max_position_embeddings
+    room = context - len(ids)
+    if room < 1:
+        raise UserError(f"the prompt is {len(ids)} tokens, and the model's context holds {context}: shorten it")
+    if args.max_new_tokens > room:
+        print(f"note: --max_new_tokens {args.max_new_tokens} cut to {room}: with the prompt's {len(ids)} tokens "
+              f"that fills the model's context of {context}", file=sys.stderr)
     device = next(model.parameters()).device
     input_ids = torch.tensor([ids], device=device)
     tokens = model.generate(
         input_ids,
-        max_new_tokens=args.max_new_tokens,
+        max_new_tokens=min(args.max_new_tokens, room),
         do_sample=bool(args.do_sample),
         temperature=args.temperature,
         top_k=args.top_k,
@@ -200,7 +207,12 @@ def interactive(model, tokenizer, args):
             generate_text(model, tokenizer, prompt, args)
             continue
         turns.append({"role": "user", "content": prompt})
-        reply = tokenizer.decode(chat_reply(model, tokenizer, turns, args), skip_special_tokens=True)
+        try:
+            reply = tokenizer.decode(chat_reply(model, tokenizer, turns, args), skip_special_tokens=True)
+        except UserError as exc:  # the conversation outgrew the context: say so, and let the user go on
+            print(f"error: {exc}; an empty line ends this chat")
+            turns.pop()
+            continue
         turns.append({"role": "assistant", "content": reply})
 
 
@@ -290,6 +302,9 @@ def main(argv=None):
     if len(tokenizer) > model.config.vocab_size:
         raise WeightsError(f"{tokenizer.name_or_path}: tokenizer has {len(tokenizer)} tokens but the model only "
                            f"{model.config.vocab_size}: pass --tokenizer_path the tokenizer it was trained with")
+    if args.ppl_data and args.max_seq_len > model.config.max_position_embeddings:
+        raise UserError(f"--max_seq_len {args.max_seq_len} is longer than the context of the model in {source} "
+                        f"({model.config.max_position_embeddings} positions): pass at most that")
     model.to(device)
     torch.manual_seed(args.seed)
     if args.ppl_data and is_conversations(args.ppl_data):

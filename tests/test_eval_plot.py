@@ -48,6 +48,32 @@ def test_eval_cli_generates_and_measures_perplexity(setup, capsys):
     assert lines[2].startswith("你好") and len(lines[2]) > len("你好")
 
 
+def test_lengths_past_the_model_s_context_are_cut_or_one_line(setup, tmp_path, capsys):
+    """A model of 32 positions: a continuation stops where the context is full (a note says so);
+    --max_seq_len past it, or a prompt that fills it, is one line, not a traceback."""
+    from model.model_minimind import MiniMindConfig
+    from model.weights import write_weights
+
+    _, tok_dir, pth, data = setup
+    short = tmp_path / "short_64.pth"
+    write_weights(load_model(pth, **FLAGS)[0].state_dict(), MiniMindConfig(**FLAGS, max_position_embeddings=32),
+                  str(short))
+    run = ["--weight_path", str(short), "--tokenizer_path", str(tok_dir), "--device", "cpu"]
+    capsys.readouterr()
+    eval_main([*run, "--prompt", "hello", "--max_new_tokens", "100"])
+    out, err = capsys.readouterr()
+    prompt_tokens = int(re.search(r"with the prompt's (\d+) tokens", err)[1])
+    assert f"note: --max_new_tokens 100 cut to {32 - prompt_tokens}" in err and out.startswith("hello")
+    with pytest.raises(SystemExit) as stop:
+        eval_main([*run, "--ppl_data", str(data), "--max_seq_len", "64"])
+    assert stop.value.code == 2
+    assert "--max_seq_len 64 is longer than the context of the model" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        eval_main([*run, "--prompt", "hello " * 40])
+    err = capsys.readouterr().err
+    assert "and the model's context holds 32: shorten it" in err and "Traceback" not in err
+
+
 def reference_loss(pth, tok_dir, max_seq_len):
     """Mean next-token loss over all documents, one document at a time, by hand."""
     model, _ = load_model(pth, **FLAGS)
