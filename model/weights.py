@@ -51,6 +51,9 @@ def read_checkpoint(path):
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
+        if not _looks_like_torch_save(path):
+            raise WeightsError(f"{path}: not a weights file (torch.save writes a zip archive or a pickle, and this "
+                               f"is neither): pass a .pth or .safetensors weights file") from None
         found = re.search(r"GLOBAL ([\w.]+)", str(e))
         raise WeightsError(f"{path}: refused: it holds Python objects other than tensors and plain containers "
                            f"({found[1] if found else 'an unsupported pickle opcode'}), and unpickling them could "
@@ -66,6 +69,13 @@ def read_checkpoint(path):
         raise WeightsError(f"{path}: neither a weights file (name -> tensor) nor a resume checkpoint "
                            f"(dict with 'model' and 'model_config'): pass a .pth written by the trainer")
     return _strip_wrapper_prefixes(state), stored
+
+
+def _looks_like_torch_save(path: Path) -> bool:
+    """What torch.save writes begins as a zip archive does, or (the legacy format) with pickle's PROTO."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    return head == b"PK\x03\x04" or head[:1] == b"\x80"
 
 
 def _is_state_dict(obj) -> bool:

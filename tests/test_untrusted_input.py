@@ -61,6 +61,16 @@ def test_read_checkpoint_refuses_the_payload_in_one_line(tmp_path):
     assert "\n" not in message and "refused" in message and "posix.system" in message, message
 
 
+def test_a_file_torch_save_never_wrote_is_named_so_not_called_unsafe(tmp_path):
+    """A text file passed as weights (a .jsonl, say) is no pickle at all: the line says it is not a
+    weights file, where a pickle with a payload (above) is refused as unsafe."""
+    text = tmp_path / "val.jsonl"
+    text.write_text('{"text": "hello"}\n')
+    with pytest.raises(WeightsError) as info:
+        read_checkpoint(text)
+    assert "not a weights file" in str(info.value) and "unpickling" not in str(info.value)
+
+
 @pytest.mark.parametrize("content", [
     {1: torch.zeros(2)},  # a name that is not a string
     {"model": [torch.zeros(2)], "model_config": {}},  # a resume checkpoint whose model is no state_dict
