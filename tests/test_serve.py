@@ -198,6 +198,19 @@ def test_every_kind_of_weights_a_user_has_exports_the_same_model(served, tmp_pat
         assert all(torch.equal(weights[kind][k], weights["pth"][k]) for k in weights["pth"]), kind
 
 
+@pytest.mark.parametrize("device, says", [("mps", "--device mps: no Apple GPU (MPS) is visible to torch here"),
+                                           ("cuda:7", "--device cuda:7: no GPU is visible to torch here")])
+def test_a_device_this_machine_lacks_is_one_line(tmp_path, capsys, device, says):
+    """Checked before the weights are read, in the server's process (here, pytest's): CPU only."""
+    from scripts.serve_openai_api import main
+    from tests.support.serving import free_port
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--weight_path", str(tmp_path / "missing.pth"), "--device", device, "--port", str(free_port())])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and says in err and len(err.strip().splitlines()) == 1, err
+
+
 def run_serve(*flags, env=None):
     return subprocess.run([PYTHON, str(SERVE), *flags], capture_output=True, text=True, timeout=120, env=env)
 
