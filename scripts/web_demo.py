@@ -18,8 +18,18 @@ DEFAULT_API_BASE = "http://127.0.0.1:8998/v1"
 RANGES = {"history_turns": (0, 20), "temperature": (0.0, 2.0), "top_p": (0.05, 1.0), "max_tokens": (1, 32768)}
 
 
+class FlagError(Exception):
+    """A flag the page cannot take, in one line: shown on the page, where argparse would print its
+    usage to the terminal and stop the script."""
+
+
+class OnePageLineParser(argparse.ArgumentParser):
+    def error(self, message):
+        raise FlagError(f"{message} (streamlit run scripts/web_demo.py -- --help lists the flags)")
+
+
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = OnePageLineParser(description=__doc__.split("\n")[0])
     p.add_argument("--api_base", default=DEFAULT_API_BASE, help=f"the endpoint (default {DEFAULT_API_BASE})")
     p.add_argument("--api_key", default="none", help="its key, where it asks for one")
     p.add_argument("--model", default=None, help="model name (default: the first the endpoint lists)")
@@ -110,8 +120,12 @@ def stream_reply(client, model, messages, state):
 def main(argv=None):
     import openai
 
-    args = parse_args(sys.argv[1:] if argv is None else argv)
     st.set_page_config(page_title="MiniMind chat")
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+    except FlagError as exc:
+        st.error(str(exc))
+        st.stop()
     if problem := out_of_range(args):
         st.error(problem)
         st.stop()

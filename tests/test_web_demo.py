@@ -117,6 +117,7 @@ def test_errors_are_one_line_and_the_conversation_stays(served):
     (["--temperature", "3"], "--temperature 3.0 is outside the sidebar's range [0.0, 2.0]"),
     (["--history_turns", "30"], "--history_turns 30 is outside the sidebar's range [0, 20]"),
     (["--top_p", "nan"], "--top_p nan is outside"),
+    (["--temperature", "abc"], "argument --temperature: invalid float value: 'abc'"),  # argparse's own words
 ])
 def test_a_flag_the_sidebar_cannot_show_is_one_line(monkeypatch, flags, says):
     """Streamlit would show its own error, with a traceback, for a slider started outside its range."""
