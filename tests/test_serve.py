@@ -123,6 +123,9 @@ BAD_REQUESTS = {
     "max_tokens -1": ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, 400, "max_tokens"),
     "prompt over the context": ({"messages": [{"role": "user", "content": LONG}], "max_tokens": 4}, 400, "context"),
     "no messages": ({"messages": [], "max_tokens": 4}, 400, "messages"),
+    "a content that is no text": ({"messages": [{"role": "user", "content": 5}], "max_tokens": 4}, 400,
+                                  "content must be a string"),
+    "the engine's model for images": ("/v1/systemone", 404, "not offered"),
     "a content part's text not a string": (
         {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}], "max_tokens": 4}, 400,
         "text must be a string"),
@@ -132,18 +135,48 @@ BAD_REQUESTS = {
 @pytest.mark.parametrize("name", BAD_REQUESTS)
 def test_a_bad_request_gets_a_4xx_with_a_message_and_the_server_goes_on(served, name):
     body, status, words = BAD_REQUESTS[name]
+    url = f"{served.url}/chat/completions"
+    if isinstance(body, str):  # a closed route
+        url, body = served.url.removesuffix("/v1") + body, b"{}"
     if isinstance(body, dict):
         body = json.dumps({"model": served.model, **body}).encode()
-    reply = httpx.post(f"{served.url}/chat/completions", content=body, timeout=60,
-                       headers={"content-type": "application/json"})
+    reply = httpx.post(url, content=body, timeout=60, headers={"content-type": "application/json"})
     assert reply.status_code == status, reply.text
     message = reply.json()["error"]["message"]
     assert words in message and "\n" not in message
-    if name != "malformed JSON":  # the openai client raises it with the server's message
+    if body != b"{}" and name != "malformed JSON":  # the openai client raises it with the server's message
         kind = openai.NotFoundError if status == 404 else openai.BadRequestError
         with pytest.raises(kind, match=words):
             served.client.chat.completions.create(**json.loads(body))
     assert ask(served, QUESTIONS[0]).choices[0].message.content is not None
+
+
+def test_the_guard_checks_what_the_engine_would_fail_on():
+    """RequestCheck alone, with our tokenizer and a context of 128: the fields the engine converts or
+    reads without a check, the Responses API's instructions, which it adds as a system turn, and a
+    request without max tokens, which the engine would give 1024 past a prompt of any length."""
+    from scripts.serve_guard import ENGINE_MAX_NEW_TOKENS, BadRequest, RequestCheck
+
+    check = RequestCheck("m", 128, load_tokenizer(REPO_ROOT / "model"), {})
+    hi = [{"role": "user", "content": "hi"}]
+    refused = {
+        "generation_config": ("/v1/chat/completions", {"messages": hi, "generation_config": "not json"}),
+        "instructions": ("/v1/responses", {"input": "hi", "instructions": "word " * 200, "max_output_tokens": 4}),
+        "content 5": ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}),
+        "a part without a type": ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"text": "x"}]}]}),
+        "seed": ("/v1/completions", {"prompt": "hi", "seed": "x"}),
+        "logit_bias": ("/v1/chat/completions", {"messages": hi, "logit_bias": {"abc": 1}}),
+        "stop": ("/v1/chat/completions", {"messages": hi, "stop": 3}),
+    }
+    for name, (path, body) in refused.items():
+        with pytest.raises(BadRequest):
+            check(path, json.dumps(body).encode())
+            pytest.fail(f"{name} passed")
+    passed = json.loads(check("/v1/chat/completions", json.dumps({"messages": hi}).encode()))
+    prompt = len(load_tokenizer(REPO_ROOT / "model").apply_chat_template(hi, add_generation_prompt=True,
+                                                                         return_dict=True)["input_ids"])
+    assert passed["max_tokens"] == min(ENGINE_MAX_NEW_TOKENS, 128 - prompt) == 128 - prompt
+    assert json.loads(check("/v1/responses", b'{"input": "hi"}'))["max_output_tokens"] == 128 - 1
 
 
 def test_the_engine_alone_fails_these_requests_so_the_guard_answers_them(served):
