@@ -82,11 +82,13 @@ class CheckpointManager:
         """The inference weights and a resume checkpoint at `global_step`; returns its path."""
         # A checkpoint of NaNs would push a good one out of the rotation: refuse to write it.
         finite = self.model_state.finite()  # a collective: a statement of its own, reached by every rank
-        if not finite:  # every rank alike: one line each, and the job stops
+        if not finite:  # every rank alike: the job stops with this line (said once per node: fail())
             raise UserError(f"the model's weights at step {global_step} are not finite (inf or NaN), so no "
                             f"checkpoint is saved and the earlier ones are kept: resume from the newest with "
                             f"--from_resume 1 and a lower --learning_rate (or --muon_lr)")
-        weights = self.model_state.full_weights() if self.weights_path else None  # every rank: a gather under FSDP
+        weights = None
+        if self.weights_path:  # the same on every rank: a gather under FSDP
+            weights = self.model_state.full_weights()
         state = {"format": FORMAT, "model_config": self.model_config}
         for part in self.parts.values():
             entries = part.state_dict()
@@ -95,7 +97,9 @@ class CheckpointManager:
             state.update(entries)
         path = self.collectives.broadcast(self._free_path(global_step) if self.collectives.rank == 0 else None)
         shards = self.model_state.state_dict()
-        problem = self._write_shards(path, shards) if self.sharded else None
+        problem = None
+        if self.sharded:  # the same on every rank: each writes its shards (DCP's save, a collective)
+            problem = self._write_shards(path, shards)
         if problem is None and self.collectives.rank == 0:
             problem = self._write(path, state, None if self.sharded else shards, weights)
         problem = self.collectives.agree(problem)  # every rank stops, or goes on, together

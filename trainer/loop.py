@@ -88,7 +88,9 @@ def train(cfg: TrainConfig, typed: frozenset, env, stage: Stage) -> int:
                                     cfg.output.keep_last, sharded, weights_path(cfg.output.save_dir, prefix),
                                     config=cfg.record())
     checkpoints.tidy(model_state.estimated_bytes())
-    saved = checkpoints.resume() if cfg.output.from_resume else None  # the same flag on every rank: a collective
+    saved = None
+    if cfg.output.from_resume:  # the same flag on every rank: resume() is a collective
+        saved = checkpoints.resume()
     if saved is None:  # every rank alike (rank 0's pick is broadcast): a collective
         state.run_number = checkpoints.next_run_number()
     else:
