@@ -184,6 +184,18 @@ def train(cfg: TrainConfig, typed: frozenset, env, stage: Stage) -> int:
 
 
 # ---------------------------------------------------------------------------- the pieces train() calls
+def max_steps_in_this_step_size(cfg: TrainConfig, saved_step_size, step_size: int) -> TrainConfig:
+    """A checkpoint's --max_steps counts its steps; where this run's steps hold another number of
+    samples (another world size, batch or accumulation), the same samples in this run's steps, as
+    the step the checkpoint reached is (TrainState). A --max_steps typed again counts this run's."""
+    if not cfg.optim.max_steps or not isinstance(saved_step_size, int) or saved_step_size == step_size:
+        return cfg
+    max_steps = max(1, cfg.optim.max_steps * saved_step_size // step_size)
+    Logger(f"resume: --max_steps {cfg.optim.max_steps} (the checkpoint's, in steps of {saved_step_size} samples) is "
+           f"{max_steps} steps of {step_size} here")
+    return cfg.replace(max_steps=max_steps)
+
+
 def settle_config(cfg: TrainConfig, typed: frozenset, env) -> tuple:
     """(the config the run trains with, its model's MiniMindConfig): a resume's stored values
     merged in (trainer/resume_config.py), every auto decided (trainer/auto.py), and the
@@ -196,6 +208,9 @@ def settle_config(cfg: TrainConfig, typed: frozenset, env) -> tuple:
         record = newest_record(cfg.output.checkpoint_dir, prefix)
         cfg, origin = resume_config(cfg, typed, legacy_record(record), f"checkpoint {record.get('path')}")
         lm_config = model_config(cfg, typed)
+        if origin.get("max_steps") == "stored":
+            cfg = max_steps_in_this_step_size(cfg, record.get("samples_per_step"), global_batch(cfg.optim,
+                                                                                              env.world_size))
     # The shape flags say the model's shape, which a --from_weight's stored config decides where not
     # typed: the checkpoint's record and wandb then hold the shape trained, and a resume may type it.
     cfg = cfg.replace(**{name: int(getattr(lm_config, name)) for name in MODEL_SHAPE_FLAGS})

@@ -114,7 +114,7 @@ class TrainState:
     # What load_state_dict() cannot do without (a run may have no wandb_run_id); and what is
     # also written in each checkpoint's record, so that choosing the newest unpickles none of them.
     keys: ClassVar = ("global_step", "epoch", "step_in_epoch", "samples_per_step", "world_size", "tokens_seen")
-    record_keys: ClassVar = ("global_step", "tokens_seen", "world_size", "run_number")
+    record_keys: ClassVar = ("global_step", "tokens_seen", "world_size", "run_number", "samples_per_step")
 
     plan: StepPlan
     global_step: int = 0

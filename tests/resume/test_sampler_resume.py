@@ -219,6 +219,22 @@ def test_max_steps_counts_rescaled_steps(resumed):
 
 
 @pytest.mark.slow
+def test_a_stored_max_steps_counts_the_checkpoint_s_steps(resumed, tmp_path):
+    """Not typed again, the checkpoint's --max_steps 4 (steps of 8 samples) is 8 steps of 4 on one
+    process: the run it resumes had trained all of them, so nothing is left (typed, it counts this
+    run's steps: the test above). Its schedule would otherwise have gone back to step 8 of 4's."""
+    run_dir = tmp_path / "stored"
+    shutil.copytree(resumed[0], run_dir, symlinks=True)
+    for path in (run_dir / "ckpt").glob(f"*_resume_step{K2:07d}*"):  # back to the 2-process checkpoint
+        path.unlink()
+    again = run_trainer([*TINY, *out_args(run_dir), "--from_resume", "1"], run_dir)
+    assert again.returncode == 0, again.stdout[-3000:]
+    assert (f"resume: --max_steps {K1} (the checkpoint's, in steps of 8 samples) is {2 * K1} steps of 4 here"
+            in again.stdout)
+    assert f"nothing left to train: the checkpoint is at step {2 * K1} of {2 * K1}" in again.stdout
+
+
+@pytest.mark.slow
 def test_a_finished_run_resumed_again_trains_nothing_and_keeps_its_checkpoint(resumed, tmp_path):
     run_dir = tmp_path / "again"
     shutil.copytree(resumed[0], run_dir)
