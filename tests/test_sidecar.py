@@ -127,6 +127,21 @@ def test_a_run_shaped_by_its_from_weight_records_that_shape_and_resumes_with_it_
     assert "resumed from" in resumed.stdout and "at step 1/2" in resumed.stdout
 
 
+def test_a_resume_needs_no_from_weight_file_any_more(trained, tmp_path):
+    """The checkpoint holds the weights and its record the shape: a --from_weight file moved or
+    deleted since the run began costs nothing (a fine-tune whose pretrained weights were replaced).
+    The shape flags are typed: without the file they name the checkpoints (pretrain_64)."""
+    import shutil
+
+    work = trained.parent.parent
+    run = tmp_path / "run"
+    shutil.copytree(trained.parent, run, symlinks=True)
+    resumed = run_trainer([*TINY, "--from_weight", str(tmp_path / "gone" / "start_64.pth"), "--data_path",
+                           str(work / "small.jsonl"), "--max_steps", "2", "--from_resume", "1", *out_args(run)], run)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert "at step 1/2" in resumed.stdout and "loaded weights from" not in resumed.stdout
+
+
 def test_a_pth_without_sidecar_still_goes_by_the_flags(trained, tmp_path, capsys):
     bare = tmp_path / "minimind.pth"  # MiniMind's own files have no .json
     bare.write_bytes((trained / "pretrain_64.pth").read_bytes())

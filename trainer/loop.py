@@ -63,7 +63,7 @@ class Stage:
 
 def train(cfg: TrainConfig, typed: frozenset, env, stage: Stage) -> int:
     # ------------------------------------------------------------------ 1. the config the run trains with
-    cfg, lm_config = settle_config(cfg, typed, env)
+    cfg, lm_config, resuming = settle_config(cfg, typed, env)
     sharded = cfg.system.parallel == "fsdp" and env.distributed
     prefix = run_prefix(cfg.output.save_weight, lm_config.hidden_size, lm_config.use_moe)
     configure_cuda(env.device, getattr(torch, cfg.system.dtype))
@@ -79,7 +79,8 @@ def train(cfg: TrainConfig, typed: frozenset, env, stage: Stage) -> int:
     plan = plan_steps(cfg.optim, cfg.data.data_path, len(data.train), env.world_size)
 
     # ------------------------------------------------------------------ 3. model, parallelism, optimizer
-    parts = build_parts(cfg, env, lm_config, initial_weights(cfg), tokenizer.bos_token_id, data.packed)
+    parts = build_parts(cfg, env, lm_config, None if resuming else initial_weights(cfg), tokenizer.bos_token_id,
+                        data.packed)
 
     # ------------------------------------------------------------------ 4. checkpoints, resume
     state, model_state = TrainState(plan), ModelState(parts.model, parts.optimizer)
@@ -197,17 +198,20 @@ def max_steps_in_this_step_size(cfg: TrainConfig, saved_step_size, step_size: in
 
 
 def settle_config(cfg: TrainConfig, typed: frozenset, env) -> tuple:
-    """(the config the run trains with, its model's MiniMindConfig): a resume's stored values
-    merged in (trainer/resume_config.py), every auto decided (trainer/auto.py), and the
-    whole checked, before any work. Every rank reads the same record (a broadcast) and decides
-    alike, so a bad combination stops every rank with the same line."""
-    lm_config = model_config(cfg, typed)
+    """(the config the run trains with, its model's MiniMindConfig, whether it resumes a checkpoint):
+    a resume's stored values merged in (trainer/resume_config.py), every auto decided
+    (trainer/auto.py), and the whole checked, before any work. Every rank reads the same record (a
+    broadcast) and decides alike, so a bad combination stops every rank with the same line. A
+    resume's weights are its checkpoint's: the --from_weight file then need not be there any more."""
+    resuming = False
+    lm_config = model_config(cfg, typed, need_weights=not cfg.output.from_resume)
     origin = dict.fromkeys(typed, "typed")
     if cfg.output.from_resume:  # the same flag on every rank: all join newest_record()'s broadcast, or none does
         prefix = run_prefix(cfg.output.save_weight, lm_config.hidden_size, lm_config.use_moe)
         record = newest_record(cfg.output.checkpoint_dir, prefix)
+        resuming = bool(record)  # a checkpoint is there: it resumes, or the run stops (none usable)
         cfg, origin = resume_config(cfg, typed, legacy_record(record), f"checkpoint {record.get('path')}")
-        lm_config = model_config(cfg, typed)
+        lm_config = model_config(cfg, typed, need_weights=not resuming)
         if origin.get("max_steps") == "stored":
             cfg = max_steps_in_this_step_size(cfg, record.get("samples_per_step"), global_batch(cfg.optim,
                                                                                               env.world_size))
@@ -221,7 +225,7 @@ def settle_config(cfg: TrainConfig, typed: frozenset, env) -> tuple:
     tokens_per_step = global_batch(cfg.optim, env.world_size) * cfg.model.max_seq_len
     cfg = resolve_auto(cfg, origin, env.device, sharded, lm_config, tokens_per_step)
     check_config(cfg, cuda=env.device.type == "cuda")
-    return cfg, lm_config
+    return cfg, lm_config, resuming
 
 
 def check_model_fits(cfg: TrainConfig, tokenizer, lm_config):

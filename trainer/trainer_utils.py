@@ -36,16 +36,19 @@ __all__ = ["get_lr", "Logger", "is_main_process", "init_distributed_mode", "setu
 WEIGHT_SUFFIXES = (".pth", ".safetensors")
 
 
-def initial_weights(cfg) -> str | None:
+def initial_weights(cfg, must_exist: bool = True) -> str | None:
     """The file --from_weight names, or None to start from scratch. A path is taken as it is;
     a plain name is MiniMind's: the weights a stage of that --save_weight saved in --save_dir
-    for this shape (pretrain -> {save_dir}/pretrain_{hidden}[_moe].pth), which must exist."""
+    for this shape (pretrain -> {save_dir}/pretrain_{hidden}[_moe].pth), which must exist
+    (`must_exist` False: None where the file is not there)."""
     value = cfg.model.from_weight
     if value is None or value.lower() == "none":
         return None
     if Path(value).suffix in WEIGHT_SUFFIXES or os.sep in value or Path(value).exists():
-        return value
+        return value if must_exist or Path(value).exists() else None
     path = weights_path(cfg.output.save_dir, run_prefix(value, cfg.model.hidden_size, cfg.model.use_moe))
+    if not must_exist and not Path(path).is_file():
+        return None
     if not Path(path).is_file():
         raise UserError(f"--from_weight {value}: no {path} (a name means {{save_dir}}/{value}_{{hidden}}[_moe].pth, "
                         f"as MiniMind names it): train that stage first, pass the weights file itself, or pass "
@@ -63,11 +66,12 @@ def setup_seed(seed: int):
         torch.cuda.manual_seed_all(seed)
 
 
-def model_config(cfg, typed=frozenset(MODEL_SHAPE_FLAGS)) -> MiniMindConfig:
+def model_config(cfg, typed=frozenset(MODEL_SHAPE_FLAGS), need_weights: bool = True) -> MiniMindConfig:
     """The model the config describes, or the config stored beside the weights --from_weight
     names (x.pth -> x.json), which decides the shape flags not typed (`typed`: the flags the
-    command line gave); typed ones must agree with it."""
-    from_weight = initial_weights(cfg)
+    command line gave); typed ones must agree with it. `need_weights` False (a resume, whose
+    checkpoint holds the weights and its record the shape): a --from_weight no longer there is passed over."""
+    from_weight = initial_weights(cfg, must_exist=need_weights)
     stored = read_sidecar(from_weight) if from_weight else None  # raises WeightsError, a UserError
     if stored is not None:
         given = {name: getattr(cfg.model, name) if name in typed else None for name in MODEL_SHAPE_FLAGS}
