@@ -2,23 +2,13 @@
 functions live in modules the tests import: jobs.py (running the trainer, the one way),
 forked_ranks.py, tiny.py (tiny runs and models), run_outputs.py, assertions.py,
 host_reads.py and fault_injection.py, in tests/support/; no test module imports another."""
-import os
-
 import pytest
-import torch
 
 from tests.support import REPO_ROOT
 from tests.support.fault_injection import SmallDisk
 from tests.support.jobs import SharedRuns
 from tests.support.tiny import build_tokenizer, ensure_demo_corpus
 
-
-# The tests compute on one thread, as the jobs they launch do (tests/support/jobs.py): with 3
-# pytest-xdist workers and their jobs on 2 cores, a thread per core in each worker makes torch's
-# OpenMP threads wait on each other (the GGUF module's in-process training took 149 s so, about 8
-# s alone). setdefault: an OMP_NUM_THREADS set by hand wins; the processes the tests start inherit it.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # The files that take longest, longest first, by their tests' time in `-n 3 --durations` runs on 2 cores
 # (test_storage.py about 80 s, test_serve.py 47 s and test_web_demo.py 37 s, test_imports_and_bounds.py 20 s;
