@@ -140,6 +140,11 @@ def test_a_resume_needs_no_from_weight_file_any_more(trained, tmp_path):
                            str(work / "small.jsonl"), "--max_steps", "2", "--from_resume", "1", *out_args(run)], run)
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     assert "at step 1/2" in resumed.stdout and "loaded weights from" not in resumed.stdout
+    untyped = run_trainer([*TINY[4:], "--from_weight", str(tmp_path / "gone" / "start_64.pth"), "--data_path",
+                           str(work / "small.jsonl"), "--max_steps", "3", "--from_resume", "1", *out_args(run)], run)
+    assert untyped.returncode == 2
+    assert (f"holds no checkpoint of pretrain_768 to resume: where that file gave the run its shape, pass the shape "
+            f"flags") in untyped.stdout
 
 
 def test_a_pth_without_sidecar_still_goes_by_the_flags(trained, tmp_path, capsys):

@@ -197,6 +197,19 @@ def max_steps_in_this_step_size(cfg: TrainConfig, saved_step_size, step_size: in
     return cfg.replace(max_steps=max_steps)
 
 
+def check_initial_weights_there(cfg: TrainConfig, lm_config):
+    """A --from_resume run with no checkpoint to resume starts from --from_weight, which must be
+    there. Where that file had given a run its shape, the shape also named its checkpoints: gone, it
+    leaves them unfound (pretrain_768 looked for, pretrain_64 written), which the line says."""
+    if cfg.model.from_weight.lower() == "none" or initial_weights(cfg, must_exist=False) is not None:
+        return
+    prefix = run_prefix(cfg.output.save_weight, lm_config.hidden_size, lm_config.use_moe)
+    raise UserError(f"--from_weight {cfg.model.from_weight}: not there, and --checkpoint_dir "
+                    f"{cfg.output.checkpoint_dir} holds no checkpoint of {prefix} to resume: where that file gave the "
+                    f"run its shape, pass the shape flags (--hidden_size, ...), which name its checkpoints; else pass "
+                    f"weights that exist")
+
+
 def settle_config(cfg: TrainConfig, typed: frozenset, env) -> tuple:
     """(the config the run trains with, its model's MiniMindConfig, whether it resumes a checkpoint):
     a resume's stored values merged in (trainer/resume_config.py), every auto decided
@@ -215,6 +228,8 @@ def settle_config(cfg: TrainConfig, typed: frozenset, env) -> tuple:
         if origin.get("max_steps") == "stored":
             cfg = max_steps_in_this_step_size(cfg, record.get("samples_per_step"), global_batch(cfg.optim,
                                                                                               env.world_size))
+    if cfg.output.from_resume and not resuming:
+        check_initial_weights_there(cfg, lm_config)
     # The shape flags say the model's shape, which a --from_weight's stored config decides where not
     # typed: the checkpoint's record and wandb then hold the shape trained, and a resume may type it.
     cfg = cfg.replace(**{name: int(getattr(lm_config, name)) for name in MODEL_SHAPE_FLAGS})
