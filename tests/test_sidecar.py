@@ -143,8 +143,8 @@ def test_a_resume_needs_no_from_weight_file_any_more(trained, tmp_path):
     untyped = run_trainer([*TINY[4:], "--from_weight", str(tmp_path / "gone" / "start_64.pth"), "--data_path",
                            str(work / "small.jsonl"), "--max_steps", "3", "--from_resume", "1", *out_args(run)], run)
     assert untyped.returncode == 2
-    assert (f"holds no checkpoint of pretrain_768 to resume: where that file gave the run its shape, pass the shape "
-            f"flags") in untyped.stdout
+    assert ("holds no checkpoint of pretrain_768 to resume: where that file gave the run its shape, pass the shape "
+            "flags") in untyped.stdout
 
 
 def test_a_pth_without_sidecar_still_goes_by_the_flags(trained, tmp_path, capsys):
