@@ -245,17 +245,15 @@ def main(argv=None):
     args = parse_args(argv)
     check_serving_installed()
     check_port_free(args.host, args.port)
-    if args.device != "auto" and args.device != "cpu":
+    if args.device.startswith("cuda"):  # the trainer's check: a GPU there, and GPU N among them
+        from trainer.device import resolve_device
+
+        resolve_device(args.device, environ={})
+    if args.device == "mps":
         import torch
 
-        if args.device == "mps" and not torch.backends.mps.is_available():
+        if not torch.backends.mps.is_available():
             raise UserError("--device mps: no Apple GPU (MPS) is visible to torch here: pass --device cpu")
-        if args.device.startswith("cuda") and not torch.cuda.is_available():
-            raise UserError(f"--device {args.device}: no GPU is visible to torch here: pass --device cpu")
-        index = int(args.device.partition(":")[2] or 0)
-        if args.device.startswith("cuda") and index >= torch.cuda.device_count():
-            raise UserError(f"--device {args.device}: torch sees {torch.cuda.device_count()} GPU(s) here, numbered "
-                            f"from 0: pass one of those, or --device cpu")
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
