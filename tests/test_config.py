@@ -169,12 +169,12 @@ def test_a_resume_with_only_from_resume_trains_on_as_the_run_started(tmp_path, r
 
 # ---------------------------------------------------------------------------- the checks see the final config
 def _resume_with(tmp_path, stored: dict, typed_flags: list, stage=None):
-    """settle_config (trainer/loop.py) on a resume whose newest checkpoint's record stores a run of
+    """settle_config (trainer/resume_config.py) on a resume whose newest checkpoint's record stores a run of
     `stored` flags (resolved, as a run records it), with `typed_flags` typed now. The checkpoint
     file itself is not read before the config is settled: an empty one stands in for it."""
     from types import SimpleNamespace
 
-    from trainer.loop import settle_config
+    from trainer.resume_config import settle_config
 
     folder = tmp_path / "ckpt"
     folder.mkdir(exist_ok=True)

@@ -202,7 +202,7 @@ def test_a_bad_option_is_one_line_naming_its_flag(flags, message):
     from trainer.auto import resolve_auto
     from trainer.config import check_config
 
-    def settle(flags):  # the loop's settle_config, without a resume: parse, resolve auto, check
+    def settle(flags):  # resume_config.py's settle_config, without a resume: parse, resolve auto, check
         cfg, typed = parse_config(flags)
         cfg = resolve_auto(cfg, dict.fromkeys(typed, "typed"), torch.device("cpu"), False,
                            MiniMindConfig(hidden_size=64, num_hidden_layers=2), 4 * 64)

@@ -314,7 +314,7 @@ def check_ranges(cfg: TrainConfig):
 def check_config(cfg: TrainConfig, cuda: bool = False):
     """The config a run trains with, whole: each flag's range, and the combinations no run can
     train with; one line, before any work. `cfg` is final: what a resume merged from its
-    checkpoint and auto resolved (trainer/loop.py's settle_config), so a rule sees a stored value
+    checkpoint and auto resolved (trainer/resume_config.py's settle_config), so a rule sees a stored value
     beside a typed one. cuda: whether the run's device (trainer/device.py) is a GPU."""
     if not cfg.resolved:
         raise ValueError("check_config takes the resolved config (trainer/auto.py's resolve_auto)")

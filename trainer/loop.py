@@ -4,7 +4,8 @@ defaults, which a Stage names.
 
 Read it top to bottom: train() sets up (sections 1-5), then trains (section 6); the pieces
 it calls follow it, and run() (the command line, the device, the process group) comes last.
-The config is trainer/config.py; one optimizer step trainer/step.py; where the run is and
+The config is trainer/config.py, and the one a run trains with trainer/resume_config.py's
+settle_config; one optimizer step trainer/step.py; where the run is and
 what a checkpoint holds trainer/train_state.py; how a checkpoint is written and chosen
 trainer/checkpoint.py.
 """
@@ -24,12 +25,8 @@ from common.storage import check_output_dirs
 from dataset.lm_dataset import load_tokenizer
 from dataset.token_bytes import token_byte_lengths
 from model.model_minimind import count_parameters
-from trainer.checkpoint import CheckpointManager, newest_record
-from trainer.auto import resolve_auto
-from trainer.config import (
-    MODEL_SHAPE_FLAGS, PRETRAIN_GROUPS, TrainConfig, check_config, metrics_path, parse_config, run_prefix,
-    weights_path,
-)
+from trainer.checkpoint import CheckpointManager
+from trainer.config import PRETRAIN_GROUPS, TrainConfig, metrics_path, parse_config, run_prefix, weights_path
 from trainer.data import (
     LoaderStalled, ResumableDistributedSampler, TrainData, check_worker_tmpdir, global_batches, make_train_loader,
     make_val_loader,
@@ -42,10 +39,10 @@ from trainer.distributed import (
 from trainer.evaluate import encode_task, load_task, validate
 from trainer.metrics import Profiling, RunLogger, Throughput, device_peak_flops, flops_per_token
 from trainer.optim import build_optimizer, describe, set_lr
-from trainer.resume_config import legacy_record, resume_config
+from trainer.resume_config import settle_config
 from trainer.step import Requests, StepTotals, TrainParts, optimizer_step
-from trainer.train_state import ModelState, RNGState, ScalerState, TrainState, global_batch, plan_steps
-from trainer.trainer_utils import init_model, initial_weights, model_config, setup_seed, zero_output_projections
+from trainer.train_state import ModelState, RNGState, ScalerState, TrainState, plan_steps
+from trainer.trainer_utils import init_model, initial_weights, setup_seed, zero_output_projections
 
 
 @dataclass(frozen=True)
@@ -185,64 +182,6 @@ def train(cfg: TrainConfig, typed: frozenset, env, stage: Stage) -> int:
 
 
 # ---------------------------------------------------------------------------- the pieces train() calls
-def max_steps_in_this_step_size(cfg: TrainConfig, saved_step_size, step_size: int) -> TrainConfig:
-    """A checkpoint's --max_steps counts its steps; where this run's steps hold another number of
-    samples (another world size, batch or accumulation), the same samples in this run's steps, as
-    the step the checkpoint reached is (TrainState). A --max_steps typed again counts this run's."""
-    if not cfg.optim.max_steps or not isinstance(saved_step_size, int) or saved_step_size == step_size:
-        return cfg
-    max_steps = max(1, cfg.optim.max_steps * saved_step_size // step_size)
-    Logger(f"resume: --max_steps {cfg.optim.max_steps} (the checkpoint's, in steps of {saved_step_size} samples) is "
-           f"{max_steps} steps of {step_size} here")
-    return cfg.replace(max_steps=max_steps)
-
-
-def check_initial_weights_there(cfg: TrainConfig, lm_config):
-    """A --from_resume run with no checkpoint to resume starts from --from_weight, which must be
-    there. Where that file had given a run its shape, the shape also named its checkpoints: gone, it
-    leaves them unfound (pretrain_768 looked for, pretrain_64 written), which the line says."""
-    if cfg.model.from_weight.lower() == "none" or initial_weights(cfg, must_exist=False) is not None:
-        return
-    prefix = run_prefix(cfg.output.save_weight, lm_config.hidden_size, lm_config.use_moe)
-    raise UserError(f"--from_weight {cfg.model.from_weight}: not there, and --checkpoint_dir "
-                    f"{cfg.output.checkpoint_dir} holds no checkpoint of {prefix} to resume: where that file gave the "
-                    f"run its shape, pass the shape flags (--hidden_size, ...), which name its checkpoints; else pass "
-                    f"weights that exist")
-
-
-def settle_config(cfg: TrainConfig, typed: frozenset, env) -> tuple:
-    """(the config the run trains with, its model's MiniMindConfig, whether it resumes a checkpoint):
-    a resume's stored values merged in (trainer/resume_config.py), every auto decided
-    (trainer/auto.py), and the whole checked, before any work. Every rank reads the same record (a
-    broadcast) and decides alike, so a bad combination stops every rank with the same line. A
-    resume's weights are its checkpoint's: the --from_weight file then need not be there any more."""
-    resuming = False
-    lm_config = model_config(cfg, typed, need_weights=not cfg.output.from_resume)
-    origin = dict.fromkeys(typed, "typed")
-    if cfg.output.from_resume:  # the same flag on every rank: all join newest_record()'s broadcast, or none does
-        prefix = run_prefix(cfg.output.save_weight, lm_config.hidden_size, lm_config.use_moe)
-        record = newest_record(cfg.output.checkpoint_dir, prefix)
-        resuming = bool(record)  # a checkpoint is there: it resumes, or the run stops (none usable)
-        cfg, origin = resume_config(cfg, typed, legacy_record(record), f"checkpoint {record.get('path')}")
-        lm_config = model_config(cfg, typed, need_weights=not resuming)
-        if origin.get("max_steps") == "stored":
-            cfg = max_steps_in_this_step_size(cfg, record.get("samples_per_step"), global_batch(cfg.optim,
-                                                                                              env.world_size))
-    if cfg.output.from_resume and not resuming:
-        check_initial_weights_there(cfg, lm_config)
-    # The shape flags say the model's shape, which a --from_weight's stored config decides where not
-    # typed: the checkpoint's record and wandb then hold the shape trained, and a resume may type it.
-    cfg = cfg.replace(**{name: int(getattr(lm_config, name)) for name in MODEL_SHAPE_FLAGS})
-    sharded = cfg.system.parallel == "fsdp" and env.distributed
-    if "accumulation_steps" in typed and cfg.optim.global_batch_size:  # not an error: an elastic restart reruns it
-        Logger(f"warning: --accumulation_steps {cfg.optim.accumulation_steps} is left aside: --global_batch_size "
-               f"{cfg.optim.global_batch_size} decides the micro-batches per step at each world size")
-    tokens_per_step = global_batch(cfg.optim, env.world_size) * cfg.model.max_seq_len
-    cfg = resolve_auto(cfg, origin, env.device, sharded, lm_config, tokens_per_step)
-    check_config(cfg, cuda=env.device.type == "cuda")
-    return cfg, lm_config, resuming
-
-
 def check_model_fits(cfg: TrainConfig, tokenizer, lm_config):
     if len(tokenizer) > lm_config.vocab_size:
         raise UserError(f"--tokenizer_path {cfg.model.tokenizer_path} has {len(tokenizer)} tokens but the model's "
