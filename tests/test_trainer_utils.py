@@ -8,12 +8,13 @@ from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.support.jobs import run_trainer
 from tests.support.run_outputs import checkpoint_name, latest_checkpoint, out_args
 from tests.support.tiny import TINY
-from trainer import loop, schedule, trainer_utils
+from trainer import loop, resume_config, schedule, trainer_utils
 from trainer.trainer_utils import lm_checkpoint
 
 # entry point: (the module whose global the trainer calls it through, that global's name);
 # get_lr is MiniMind's name for the cosine schedule, which the trainer calls as cosine_lr
-WHERE_THE_TRAINER_LOOKS = {"get_lr": (schedule, "cosine_lr"), "lm_checkpoint": None}
+WHERE_THE_TRAINER_LOOKS = {"get_lr": (schedule, "cosine_lr"), "model_config": (resume_config, "model_config"),
+                           "lm_checkpoint": None}
 
 
 def test_every_entry_point_is_the_one_the_trainer_calls(tmp_path, monkeypatch):
