@@ -58,24 +58,24 @@ def test_a_normuon_asked_for_makes_auto_take_muon():
                      torch.device("cpu"), False, wide, 64)
 
 
-def test_weight_decay_and_the_document_mask_follow_the_optimizer():
-    """auto: weight decay 0.3 and attention within documents with Muon, torch's 0.01 and attention
-    across the window for AdamW on everything, whichever way the optimizer was chosen; a typed or
-    stored value stays."""
+def test_weight_decay_betas_and_the_document_mask_follow_the_optimizer():
+    """auto: weight decay 0.5, AdamW's beta2 0.999 and attention within documents with Muon, torch's
+    0.01, beta2 0.95 and attention across the window for AdamW on everything, whichever way the
+    optimizer was chosen; a typed or stored value stays."""
     from model.model_minimind import MiniMindConfig
 
     def resolved(model, tokens, origin=None, **flags):
         cfg = resolve_auto(TrainConfig.of(dtype="float32", **flags), origin or {}, torch.device("cpu"), False, model,
                            tokens)
-        return cfg.optim.optimizer, cfg.optim.weight_decay, cfg.data.doc_mask
+        return cfg.optim.optimizer, cfg.optim.weight_decay, cfg.optim.adam_betas, cfg.data.doc_mask
 
     small = MiniMindConfig(hidden_size=256, num_hidden_layers=2)
     wide = MiniMindConfig(hidden_size=768, num_hidden_layers=2)
-    assert resolved(small, 8 * 340) == ("muon", 0.3, 1)
-    assert resolved(small, 8 * 340, {"optimizer": "typed"}, optimizer="adamw") == ("adamw", 0.01, 0)
-    assert resolved(wide, 64) == ("adamw", 0.01, 0)  # auto took AdamW: Newton-Schulz would cost too much
-    assert resolved(small, 8 * 340, {"weight_decay": "typed", "doc_mask": "stored"}, weight_decay=0.05,
-                    doc_mask=0) == ("muon", 0.05, 0)
+    assert resolved(small, 8 * 340) == ("muon", 0.5, (0.9, 0.999), 1)
+    assert resolved(small, 8 * 340, {"optimizer": "typed"}, optimizer="adamw") == ("adamw", 0.01, (0.9, 0.95), 0)
+    assert resolved(wide, 64) == ("adamw", 0.01, (0.9, 0.95), 0)  # auto took AdamW: Newton-Schulz would cost too much
+    assert resolved(small, 8 * 340, {"weight_decay": "typed", "adam_betas": "typed", "doc_mask": "stored"},
+                    weight_decay=0.05, adam_betas=(0.8, 0.95), doc_mask=0) == ("muon", 0.05, (0.8, 0.95), 0)
 
 
 @pytest.mark.parametrize("hidden_size, muon_lr", [(64, 0.01), (256, 0.01), (384, 0.015), (512, 0.02), (640, 0.02),

@@ -66,7 +66,7 @@ def test_the_resume_rule_stored_values_typed_flags_and_fixed_ones():
 def test_a_record_of_an_earlier_version_names_its_optimizer_and_schedule():
     record = {"global_step": 4, "optimizer": "muon", "lr_schedule": "cosine", "normuon": 0, "muon_lr": 0.02}
     assert legacy_record(record) == {"optim": {"optimizer": "muon", "lr_schedule": "cosine", "normuon": 0,
-                                               "muon_lr": 0.02, "muon_ns_steps": 5}}
+                                               "muon_lr": 0.02, "muon_ns_steps": 5, "adam_betas": (0.9, 0.95)}}
     assert legacy_record({"global_step": 4}) == {}
     whole = TrainConfig().record()
     assert legacy_record({"config": whole}) is whole
@@ -134,13 +134,15 @@ def test_a_resume_with_fewer_tokens_per_step_keeps_muon(tmp_path):
 @pytest.mark.parametrize("record", ["whole", "earlier_version"])
 def test_a_resume_with_only_from_resume_trains_on_as_the_run_started(tmp_path, record):
     """A run started with flags other than the defaults (the cosine, plain Muon, Muon at 0.02,
-    another warmup, decay and floor) resumes with `--from_resume 1` and none of them: bitwise the run it
-    would have been uninterrupted. Its record holds the whole config; a record of the version
-    before, which named only the optimizer, schedule, NorMuon and Muon's lr, resumes the same when
-    the rest is typed again. A flag the checkpoint contradicts stops in one line."""
+    AdamW's betas 0.9,0.95, another warmup, decay and floor) resumes with `--from_resume 1` and none
+    of them: bitwise the run it would have been uninterrupted. Its record holds the whole config; a
+    record of the version before, which named only the optimizer, schedule, NorMuon and Muon's lr,
+    resumes the same when the rest is typed again, with the betas every run of that version had.
+    A flag the checkpoint contradicts stops in one line."""
     ensure_demo_corpus()
     base = [*TINY, "--save_interval", "3", "--max_steps", "6"]
-    recipe = ["--lr_schedule", "cosine", "--normuon", "0", "--muon_lr", "0.02"]
+    # Betas 0.9,0.95, as every run before --adam_betas auto trained: an earlier version's record lacks them.
+    recipe = ["--lr_schedule", "cosine", "--normuon", "0", "--muon_lr", "0.02", "--adam_betas", "0.9,0.95"]
     others = ["--warmup_steps", "2", "--weight_decay", "0.05", "--min_lr_frac", "0.2"]
     whole = run_trainer([*base, *recipe, *others, *out_args(tmp_path / "whole")], tmp_path / "whole")
     first = run_trainer([*base, *recipe, *others, "--max_steps", "3", *out_args(tmp_path / "cut")], tmp_path / "cut")

@@ -340,7 +340,7 @@ def test_a_checkpoint_written_with_torch_optim_muon_resumes(tmp_path):
     # Load it as the trainer's resume does (ModelState), into a fresh model and our Muon.
     fresh = MiniMindForCausalLM(config)
     resolved = TrainConfig.of(optimizer="muon", muon_lr=0.02, normuon=0, learning_rate=3e-3, weight_decay=0.01,
-                              muon_ns_steps=5)
+                              muon_ns_steps=5, adam_betas=(0.9, 0.95))
     new = build_optimizer(fresh, resolved.optim)
     ModelState(fresh, new).load_state_dict(lm_checkpoint(str(run / "ckpt"), "pretrain_64", fresh))
     ours = next(opt for opt in new if isinstance(opt, Muon))

@@ -66,7 +66,8 @@ def test_the_trainer_resumes_what_lm_checkpoint_wrote(tmp_path):
     saved = latest_checkpoint(tmp_path)
     config = MiniMindConfig(hidden_size=64, num_hidden_layers=2)
     model = MiniMindForCausalLM(config)
-    optimizer = build_optimizer(model, TrainConfig.of(optimizer="adamw", learning_rate=2e-3, weight_decay=0.01).optim)
+    optimizer = build_optimizer(model, TrainConfig.of(optimizer="adamw", learning_rate=2e-3, weight_decay=0.01,
+                                                       adam_betas=(0.9, 0.95)).optim)
     set_state_dict(model, optimizer, model_state_dict=saved["model"], optim_state_dict=saved["optimizer"])
     state = {k: saved[k] for k in ("scaler", "global_step", "epoch", "step_in_epoch", "samples_per_step",
                                    "world_size", "tokens_seen", "wandb_run_id", "rng")}

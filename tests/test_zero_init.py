@@ -32,7 +32,7 @@ def test_build_parts_zeroes_a_fresh_model_and_leaves_loaded_weights_be(tmp_path)
 
     def parts(*flags):
         cfg = parse_config([*TINY, *flags])[0].replace(optimizer="muon", muon_lr=0.01, normuon=1, lr_schedule="wsd",
-                                                            weight_decay=0.3)
+                                                            weight_decay=0.5, adam_betas=(0.9, 0.999))
         return build_parts(cfg, DistEnv(), model_config(cfg), initial_weights(cfg), bos_id=1, packed=False)
 
     def o_proj(model):

@@ -3,7 +3,7 @@
     --dtype        the machine's native precision (resolve_dtype)
     --optimizer    Muon where its step costs at most MUON_STEP_BOUND AdamW steps (resolve_optimizer)
     --muon_ns_steps  torch.optim.Muon's 5 Newton-Schulz steps, or 3 where 5 cost too much (resolve_ns_steps)
-    --lr_schedule, --normuon, --muon_lr, --learning_rate, --weight_decay, --doc_mask
+    --lr_schedule, --normuon, --muon_lr, --learning_rate, --weight_decay, --adam_betas, --doc_mask
                    a new run's recipe at its width, for its optimizer (fresh_recipe, LR tables)
 
 The hardware facts come in as arguments (resolve_*) or are read from this machine (detect_*,
@@ -22,7 +22,7 @@ from trainer.metrics import muon_flop_share
 from trainer.optim import NS_STEPS
 
 AUTO_FLAGS = ("dtype", "optimizer", "muon_ns_steps", "lr_schedule", "normuon", "muon_lr", "learning_rate",
-              "weight_decay", "doc_mask")
+              "weight_decay", "adam_betas", "doc_mask")
 
 
 # ---------------------------------------------------------------------------- the machine's choices
@@ -142,14 +142,19 @@ ADAMW_LR_BY_WIDTH = ((256, 1.5e-3), (512, 3.75e-4), (768, 1.875e-4))
 ADAMW_LR_BESIDE_MUON = 3e-3
 
 
-# Weight decay and the document mask by optimizer. With Muon, attention within each packed document
-# and weight decay 0.3 reached MiniMind's loss 5 steps sooner and ended 0.054 bits per byte lower in
-# distribution and 0.069 out of it (3 seeds at 256 x 4; at 768 x 8 0.076 and 0.06). The mask alone
+# Weight decay, AdamW's betas and the document mask by optimizer. With Muon, attention within each packed
+# document and weight decay 0.3 reached MiniMind's loss 5 steps sooner and ended 0.054 bits per byte lower
+# in distribution and 0.069 out of it (3 seeds at 256 x 4; at 768 x 8 0.076 and 0.06). The mask alone
 # won in distribution but lost out of it; so did the pair for AdamW on everything at 768 x 8, whose
 # lr (1.875e-4) gives weight decay a sixteenth of its pull at the 3e-3 beside Muon. So AdamW on
 # everything keeps torch's 0.01 and attention across the window, with which its lrs were measured.
-WEIGHT_DECAY = {"muon": 0.3, "adamw": 0.01}
+# Then, with Muon, beta2 0.999 (torch's) for AdamW, which beside Muon trains only the embedding (= the
+# tied head) and the norms, with weight decay 0.5: 0.022 bits per byte lower in distribution and 0.025
+# out of it than beta2 0.95 and 0.3, every seed lower on both (3 seeds at 256 x 4; held at 512 x 8).
+# Beta2 0.999 alone won in distribution and lost out of it. AdamW on everything keeps 0.95.
+WEIGHT_DECAY = {"muon": 0.5, "adamw": 0.01}
 DOC_MASK = {"muon": 1, "adamw": 0}
+ADAM_BETAS = {"muon": (0.9, 0.999), "adamw": (0.9, 0.95)}
 
 
 def lr_by_width(points, hidden_size: int) -> float:
@@ -160,12 +165,13 @@ def lr_by_width(points, hidden_size: int) -> float:
 
 
 def fresh_recipe(hidden_size: int, optimizer: str) -> dict:
-    """A new run's schedule, NorMuon, peak lrs, weight decay and document mask under auto for its
+    """A new run's schedule, NorMuon, peak lrs, weight decay, AdamW's betas and document mask under auto for its
     (resolved) optimizer: what beat the older defaults over 3 seeds (docs/time-to-quality.md), with
     the lrs by width."""
     adamw_lr = ADAMW_LR_BESIDE_MUON if optimizer == "muon" else lr_by_width(ADAMW_LR_BY_WIDTH, hidden_size)
     return {"lr_schedule": "wsd", "normuon": 1, "muon_lr": lr_by_width(MUON_LR_BY_WIDTH, hidden_size),
-            "learning_rate": adamw_lr, "weight_decay": WEIGHT_DECAY[optimizer], "doc_mask": DOC_MASK[optimizer]}
+            "learning_rate": adamw_lr, "weight_decay": WEIGHT_DECAY[optimizer], "adam_betas": ADAM_BETAS[optimizer],
+            "doc_mask": DOC_MASK[optimizer]}
 
 
 def resolve_auto(cfg, origin: dict, device, sharded: bool, lm_config, tokens_per_step: int):
@@ -195,9 +201,10 @@ def resolve_auto(cfg, origin: dict, device, sharded: bool, lm_config, tokens_per
     trains = "the embedding and norms beside Muon" if optimizer == "muon" else "everything"
     # The rules that depend on the optimizer say which case applies.
     by_optimizer = "with Muon" if optimizer == "muon" else "for AdamW on everything"
-    whose = {"learning_rate": f"AdamW on {trains}", "weight_decay": by_optimizer, "doc_mask": by_optimizer}
+    whose = {"learning_rate": f"AdamW on {trains}", "weight_decay": by_optimizer, "adam_betas": f"AdamW on {trains}",
+             "doc_mask": by_optimizer}
     flags = cfg.flags()
-    for name in ("lr_schedule", "normuon", "muon_lr", "learning_rate", "weight_decay", "doc_mask"):
+    for name in ("lr_schedule", "normuon", "muon_lr", "learning_rate", "weight_decay", "adam_betas", "doc_mask"):
         values[name] = flags[name]
         if values[name] == "auto":
             values[name] = fresh[name]

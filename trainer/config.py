@@ -34,8 +34,8 @@ from common.errors import UserError
 from dataset.demo_corpus import DEMO_CORPUS
 from model.model_minimind import SHAPE_FIELDS
 from model.shape_flags import flag_default, shape_problem
-from trainer.auto import (ADAMW_LR_BESIDE_MUON, ADAMW_LR_BY_WIDTH, FEWER_NS_STEPS, MUON_LR_BY_WIDTH, MUON_STEP_BOUND,
-                          WEIGHT_DECAY)
+from trainer.auto import (ADAM_BETAS, ADAMW_LR_BESIDE_MUON, ADAMW_LR_BY_WIDTH, FEWER_NS_STEPS, MUON_LR_BY_WIDTH,
+                          MUON_STEP_BOUND, WEIGHT_DECAY)
 from trainer.optim import NS_STEPS
 from trainer.schedule import SCHEDULES
 
@@ -61,6 +61,11 @@ def by_width(points) -> str:
     """An lr table of trainer/auto.py as --help says it."""
     measured = ", ".join(f"hidden {width} ({lr_text(lr)})" for width, lr in points)
     return f"{measured}, a straight line between, the nearest beyond (docs/time-to-quality.md)"
+
+
+def betas_text(betas) -> str:
+    """A pair of AdamW betas as --adam_betas takes it: 0.9,0.999."""
+    return ",".join(f"{beta:g}" for beta in betas)
 
 
 @dataclass(frozen=True)
@@ -128,8 +133,9 @@ class OptimConfig:
         "auto", f"decoupled weight decay (AdamW and Muon); auto: {WEIGHT_DECAY['muon']} with Muon, "
         f"{WEIGHT_DECAY['adamw']} (torch's and MiniMind's) for AdamW on everything (docs/time-to-quality.md)",
         type=auto_or(float), check=number_from(0, "AdamW's decoupled weight decay, e.g. 0.01"))
-    adam_betas: tuple = flag((0.9, 0.95), "AdamW's beta1,beta2 (MiniMind, torch's default: 0.9,0.999)",
-                             type=adam_betas)
+    adam_betas: tuple | Literal["auto"] = flag(
+        "auto", f"AdamW's beta1,beta2; auto: {betas_text(ADAM_BETAS['muon'])} (torch's and MiniMind's) beside Muon, "
+        f"{betas_text(ADAM_BETAS['adamw'])} for AdamW on everything (docs/time-to-quality.md)", type=auto_or(adam_betas))
     seed: int = flag(42, "initial weights, sample order, per-rank generators",
                      check=lambda v: at_least(0)(v) or (None if v < 2 ** 31 else
                                                         f"must be below 2**31 (numpy seeds are 32-bit), got {v}"))

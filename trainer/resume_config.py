@@ -45,19 +45,24 @@ def resume_config(cfg: TrainConfig, typed: frozenset, stored: dict, source: str 
     return cfg.replace(**values), origin
 
 
+# AdamW's betas before --adam_betas auto: a fixed 0.9,0.95, then the flag's default.
+EARLIER_ADAM_BETAS = (0.9, 0.95)
+
+
 def legacy_record(record: dict) -> dict:
     """The stored config of a checkpoint record: a whole config, or what an earlier version's
     record named of the run (its optimizer, schedule, NorMuon and Muon lr). A record written
-    before --muon_ns_steps trained with torch.optim.Muon's 5 Newton-Schulz steps."""
+    before --muon_ns_steps trained with torch.optim.Muon's 5 Newton-Schulz steps, and one without
+    AdamW's betas with 0.9,0.95, their default before --adam_betas auto."""
     if isinstance(record.get("config"), dict):
         stored = record["config"]
     else:
         recorded = {k: record[k] for k in ("optimizer", "lr_schedule", "normuon", "muon_lr") if k in record}
         stored = {"optim": recorded} if recorded else {}
     optim = stored.get("optim")
-    if optim and "muon_ns_steps" not in optim:
-        stored = {**stored, "optim": {**optim, "muon_ns_steps": NS_STEPS}}
-    return stored
+    missing = {k: v for k, v in {"muon_ns_steps": NS_STEPS, "adam_betas": EARLIER_ADAM_BETAS}.items()
+               if optim and k not in optim}
+    return {**stored, "optim": {**optim, **missing}} if missing else stored
 
 
 def max_steps_in_this_step_size(cfg: TrainConfig, saved_step_size, step_size: int) -> TrainConfig:

@@ -29,9 +29,9 @@ SFT_DEFAULTS = {
     "save_weight": "full_sft", "from_weight": "pretrain", "data_path": str(DEMO_SFT),
     "wandb_project": "MiniMind-Full-SFT", "epochs": 2, "batch_size": 16, "max_seq_len": 768,
     "learning_rate": 3e-4, "muon_lr": 2e-3,
-    # The schedule and plain Muon that the lr sweep of docs/sft.md measured (MiniMind's cosine); the
+    # The schedule, plain Muon and AdamW's betas that the lr sweep of docs/sft.md measured (MiniMind's cosine); the
     # pre-training defaults were chosen on pre-training.
-    "lr_schedule": "cosine", "normuon": 0, "weight_decay": 0.01,
+    "lr_schedule": "cosine", "normuon": 0, "weight_decay": 0.01, "adam_betas": (0.9, 0.95),
     "doc_mask": 1,  # packed windows hold several conversations: each attends to itself only, whatever the optimizer
 }
 

@@ -266,8 +266,9 @@ def dtype_args(p):
 
 def training_step(hidden, layers, autocast, seq, batch):
     model = build_model(hidden, layers)
-    # The fused AdamW, at the weight decay auto gives it.
-    optimizer = build_optimizer(model, OptimConfig(learning_rate=1e-3, optimizer="adamw", weight_decay=0.01))
+    # The fused AdamW, at the weight decay and betas auto gives it.
+    optimizer = build_optimizer(model, OptimConfig(learning_rate=1e-3, optimizer="adamw", weight_decay=0.01,
+                                                   adam_betas=(0.9, 0.95)))
     ids = torch.randint(3, 6400, (batch, seq))
 
     def step():
