@@ -205,7 +205,7 @@ def resolve_auto(cfg, origin: dict, device, sharded: bool, lm_config, tokens_per
     whose = {"learning_rate": f"AdamW on {trains}", "weight_decay": by_optimizer, "adam_betas": f"AdamW on {trains}",
              "doc_mask": by_optimizer}
     flags = cfg.flags()
-    for name in ("lr_schedule", "normuon", "muon_lr", "learning_rate", "weight_decay", "adam_betas", "doc_mask"):
+    for name in fresh:  # the recipe's flags: an auto one takes the recipe's value
         values[name] = flags[name]
         if values[name] == "auto":
             values[name] = fresh[name]

@@ -45,8 +45,9 @@ def resume_config(cfg: TrainConfig, typed: frozenset, stored: dict, source: str 
     return cfg.replace(**values), origin
 
 
-# AdamW's betas before --adam_betas auto: a fixed 0.9,0.95, then the flag's default.
-EARLIER_ADAM_BETAS = (0.9, 0.95)
+# What a record that does not name these flags trained with: torch.optim.Muon's Newton-Schulz steps
+# (before --muon_ns_steps), and AdamW's betas before --adam_betas auto (fixed at 0.9,0.95, then the default).
+EARLIER_VALUES = {"muon_ns_steps": NS_STEPS, "adam_betas": (0.9, 0.95)}
 
 
 def legacy_record(record: dict) -> dict:
@@ -60,8 +61,9 @@ def legacy_record(record: dict) -> dict:
         recorded = {k: record[k] for k in ("optimizer", "lr_schedule", "normuon", "muon_lr") if k in record}
         stored = {"optim": recorded} if recorded else {}
     optim = stored.get("optim")
-    missing = {k: v for k, v in {"muon_ns_steps": NS_STEPS, "adam_betas": EARLIER_ADAM_BETAS}.items()
-               if optim and k not in optim}
+    if not optim:
+        return stored
+    missing = {name: value for name, value in EARLIER_VALUES.items() if name not in optim}
     return {**stored, "optim": {**optim, **missing}} if missing else stored
 
 
