@@ -150,8 +150,9 @@ ADAMW_LR_BESIDE_MUON = 3e-3
 # everything keeps torch's 0.01 and attention across the window, with which its lrs were measured.
 # Then, with Muon, beta2 0.999 (torch's) for AdamW, which beside Muon trains only the embedding (= the
 # tied head) and the norms, with weight decay 0.5: 0.022 bits per byte lower in distribution and 0.025
-# out of it than beta2 0.95 and 0.3, every seed lower on both (3 seeds at 256 x 4); at 512 x 8 level in
-# distribution and 0.026 lower out of it (1 seed), and the quick start ended 0.12 lower in validation loss.
+# out of it than beta2 0.95 and 0.3, every seed lower on both (3 seeds at 256 x 4); 0.006 and 0.021 lower
+# at 512 x 8, level in distribution and 0.027 lower out of it at 768 x 8 (2 seeds each), and the quick
+# start ended 0.12 lower in validation loss.
 # Beta2 0.999 alone won in distribution and lost out of it. AdamW on everything keeps 0.95.
 WEIGHT_DECAY = {"muon": 0.5, "adamw": 0.01}
 DOC_MASK = {"muon": 1, "adamw": 0}
